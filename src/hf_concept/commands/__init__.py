@@ -1,0 +1,1 @@
+"""Subcommands of the `hf-concept` CLI, one module each."""

@@ -1,0 +1,94 @@
+"""The registry the conformance suite runs over (DESIGN §7).
+
+A family joins the suite by adding one `FamilySpec` to `FAMILIES`: a tiny fp32 config, its causal-LM
+class, the LoRA targets it recommends, invalid config values that must raise, and — for families with
+learned boundaries — a context manager that forces a fixed boundary pattern, so that comparisons whose
+two sides differ by rounding (eager vs sdpa) cannot flip a boundary decision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def no_forcing(model: torch.nn.Module) -> Iterator[None]:
+    """For families without boundaries: nothing to force."""
+    yield
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    # Returns a fresh tiny config; keyword overrides are applied on top (used for invalid values).
+    make_config: Callable[..., Any]
+    model_class: Callable[[], type]
+    lora_target_modules: tuple[str, ...]
+    # (field, bad value): constructing the config with it must raise ValueError naming the field.
+    invalid_values: tuple[tuple[str, Any], ...]
+    force_boundaries: Callable[[torch.nn.Module], contextlib.AbstractContextManager] = no_forcing
+    # Output fields the Trainer must log for this family (besides the loss).
+    logged_metrics: tuple[str, ...] = ()
+
+
+def _plain_config(**overrides: Any):
+    from hf_concept.modeling.configuration_plain import PlainDecoderConfig
+
+    values = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    values.update(overrides)
+    return PlainDecoderConfig(**values)
+
+
+def _plain_moe_config(**overrides: Any):
+    values = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        norm_topk_prob=False,
+        qk_norm=True,
+    )
+    values.update(overrides)
+    return _plain_config(**values)
+
+
+def _plain_class() -> type:
+    from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
+
+    return PlainDecoderForCausalLM
+
+
+FAMILIES: list[FamilySpec] = [
+    FamilySpec(
+        name="plain",
+        make_config=_plain_config,
+        model_class=_plain_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        invalid_values=(("num_key_value_heads", 3), ("hidden_size", 0), ("rms_norm_eps", -1.0)),
+    ),
+    FamilySpec(
+        name="plain-moe",
+        make_config=_plain_moe_config,
+        model_class=_plain_class,
+        lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        invalid_values=(("num_experts_per_tok", 9), ("moe_intermediate_size", 0)),
+    ),
+]
