@@ -1,0 +1,22 @@
+"""Conversion tools: read source checkpoints (Llama, Mistral, Qwen2/3, Mixtral, Qwen-MoE) into our models.
+
+These modules are tools, never loaded by a checkpoint; they may import `hf_concept.modeling`.
+"""
+
+from .sources import (
+    SUPPORTED_SOURCE_TYPES,
+    iter_source_tensors,
+    load_source_into_plain,
+    plain_config_from_source,
+    read_source_config,
+    source_key_to_plain,
+)
+
+__all__ = [
+    "SUPPORTED_SOURCE_TYPES",
+    "iter_source_tensors",
+    "load_source_into_plain",
+    "plain_config_from_source",
+    "read_source_config",
+    "source_key_to_plain",
+]

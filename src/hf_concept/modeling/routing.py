@@ -1,0 +1,567 @@
+"""Boundary math shared by the concept families: router probabilities, discrete decisions, the
+straight-through factor and the ratio loss (DESIGN §3). Pure functions; no parameters live here.
+
+Legend: B batch, L tokens, K query/key width, D token width.
+
+Contract (every function):
+- Probabilities and decisions are (B, L) over tokens. `mask` (B, L) bool marks real tokens; `starts`
+  (B, L) bool marks the first real token of each sequence or packed document
+  (`packing.document_starts`).
+- `b_t = 1` means token t opens a chunk. Every start has p = 1 and b = 1. Pads have p = 0 and b = 0 and
+  never enter a statistic.
+- Routers are causal: p_t reads tokens t − 1 and t only. They never compare across a document start,
+  because p is forced to 1 there and the previous-token term is not used. "Previous" means the previous
+  position, which is the previous real token of the same document under left padding, right padding
+  and packing. For a cached continuation, the token before position 0 comes in as `past_keys` /
+  `past_token_states` (without them it is a zero vector, so p = ½ there unless position 0 is a start).
+- Probabilities are computed in float32 whatever the input dtype (float64 inputs stay float64).
+
+Zero vectors in the cosine routers. A vector's norm is floored at the machine epsilon of the input dtype
+(fp32 1.2e-7, bf16 7.8e-3, fp16 9.8e-4) before dividing. So cos(0, k) = 0 and p = ½ for a zero query or
+key. Near-zero vectors move continuously towards that value. The gradient with respect to a vector is at
+most of the order of 1/epsilon per unit of upstream gradient, which is finite in fp16 and bf16 too.
+
+Ratio loss (ConceptMoE eq. 3–4, DLCM eq. 8–10). With target ratio R > 1, F the fraction of real tokens
+that open a chunk (no gradient) and G their mean boundary probability (with gradient):
+
+    L = R/(R−1)·((R−1)·F·G + (1−F)(1−G)) − 1 = slope(F)·G + intercept(F),
+    slope(F) = R/(R−1)·(R·F − 1),   intercept(F) = R/(R−1)·(1 − F) − 1.
+
+L is 0 at F = G = 1/R. Scopes:
+- "sequence" (DLCM's "Normal" ablation): F, G and L for each sequence, then the mean over sequences
+  that have tokens. With `starts`, every packed document is a sequence, so a packed row gives the same
+  loss as its documents apart. This scope is local to the micro-batch.
+- "batch" (ConceptMoE): F and G over every real token of the micro-batch.
+- "global" (DLCM's Global Parser): F and G over every real token of the optimizer step, which covers all
+  data-parallel ranks and all accumulated micro-batches.
+
+Global scope: each rank returns its share. For a fixed F, L is linear in G. Let S be the sum of p over
+this rank's micro-batch, n its token count, and N the step's token count over ranks and micro-batches.
+The share is
+
+    share = slope(F)·S/N + intercept(F)·n/N.
+
+Summed over ranks and micro-batches, the shares give L(F, G_step), and their gradients sum to ∇L.
+Only detached counts cross ranks, in one all_reduce of three numbers. The gradient stays local, which
+is what DDP needs. The all_reduce is a collective, so every rank must call the loss for every
+micro-batch. Two things follow:
+- DDP averages gradients over ranks, but the shares need a sum. `Trainer` multiplies the loss by the
+  world size when `average_tokens_across_devices` (its default) is set and `num_items_in_batch` is
+  given, and that turns DDP's mean back into a sum. Outside `Trainer`, or without that setting,
+  multiply the share by the world size yourself.
+- Add the shares of accumulated micro-batches as they are. Do not divide them by the accumulation
+  steps, and do not pass them through `scale_aux_loss`, which is for the "batch" and "sequence" scopes.
+
+What is exact and what is an approximation (global scope):
+- Across ranks, with one micro-batch per step, everything is exact. F, G and `value` equal the
+  single-process values on the concatenated batch, and the gradients summed over ranks equal its
+  gradient.
+- Across accumulated micro-batches, the step's F is only known after the last micro-batch, but
+  micro-batch i runs backward before that. Micro-batch i uses the running F of micro-batches 1..i
+  (`RatioAccumulator`). The last micro-batch sees the step's exact F, and its `value` is the step's
+  loss. The gradient of an earlier micro-batch uses slope(F_i) instead of slope(F_step); this is the
+  only approximation, and it vanishes when the running F values coincide.
+- The denominator N is exact when the step's token count is given (`RatioAccumulator.reset(
+  step_token_count=...)`): the weights on G then sum to exactly 1, as in one big batch. Without it,
+  N is estimated as running count · k / i, with k = `num_micro_batches`. The estimate is exact when the
+  micro-batches hold equal token counts, as with packed fixed-length rows. It is not exact otherwise,
+  nor for a shortened last step of an epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .packing import document_ids
+
+NOISE_KINDS = ("bernoulli", "gaussian", "none")
+RATIO_LOSS_SCOPES = ("sequence", "batch", "global")
+
+
+def _check_token_layout(probs_shape: torch.Size, starts: torch.Tensor | None, mask: torch.Tensor) -> None:
+    starts_shape = probs_shape if starts is None else starts.shape
+    if starts_shape != probs_shape or mask.shape != probs_shape:
+        raise ValueError(
+            f"starts and mask must have the tokens' shape {tuple(probs_shape)}, got starts "
+            f"{tuple(starts_shape)} and mask {tuple(mask.shape)}"
+        )
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _force_starts_and_pads(probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Starts open a chunk with certainty; pads never do. masked_fill also cuts the gradient there.
+    return probs.masked_fill(starts, 1.0).masked_fill(~mask, 0.0)
+
+
+def _previous_tokens(vectors: torch.Tensor, past_vectors: torch.Tensor | None) -> torch.Tensor:
+    """(B, L, K) vectors shifted one position later; position 0 gets `past_vectors` (B, K) or zeros."""
+    if past_vectors is None:
+        first = torch.zeros_like(vectors[:, :1])
+    else:
+        first = past_vectors.to(vectors.dtype)[:, None]  # (B, 1, K)
+    return torch.cat([first, vectors[:, :-1]], dim=1)  # (B, L, K)
+
+
+def _unit_vectors(vectors: torch.Tensor, norm_floor: float) -> torch.Tensor:
+    # Flooring the squared norm before rsqrt keeps zero vectors at zero with a finite gradient.
+    squared_norms = vectors.square().sum(dim=-1, keepdim=True)  # (B, L, 1)
+    return vectors * torch.rsqrt(squared_norms.clamp_min(norm_floor**2))
+
+
+def cosine_boundary_probs(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    starts: torch.Tensor,
+    mask: torch.Tensor,
+    past_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cosine router (ConceptMoE eq. 2): p_t = ½(1 − cos(q_t, k_{t−1})), clamped to [0, 1].
+
+    DLCM eq. 6 and ConceptMoE's appendix code pair them the other way round, cos(q_{t−1}, k_t). That
+    is the same router with W_q and W_k swapped, so weights taken from such code swap their roles here.
+
+    Args:
+        queries, keys: (B, L, K), any float dtype; computed in float32 (zero vectors: module docstring).
+        starts, mask: (B, L) bool.
+        past_keys: (B, K) key of the token before position 0 (cached decoding), or None.
+
+    Returns:
+        (B, L) float32 probabilities; 1 at starts, 0 at pads.
+    """
+    if queries.shape != keys.shape or queries.dim() != 3:
+        raise ValueError(
+            f"queries and keys must both be (B, L, K), got {tuple(queries.shape)} and {tuple(keys.shape)}"
+        )
+    _check_token_layout(queries.shape[:2], starts, mask)
+    dtype = _compute_dtype(torch.promote_types(queries.dtype, keys.dtype))
+    norm_floor = max(torch.finfo(queries.dtype).eps, torch.finfo(keys.dtype).eps)
+    query_units = _unit_vectors(queries.to(dtype), norm_floor)  # (B, L, K)
+    previous_keys = _previous_tokens(keys.to(dtype), past_keys)  # (B, L, K)
+    key_units = _unit_vectors(previous_keys, norm_floor)
+    cosine = (query_units * key_units).sum(dim=-1)  # (B, L)
+    probs = (0.5 * (1.0 - cosine)).clamp(0.0, 1.0)
+    return _force_starts_and_pads(probs, starts, mask)
+
+
+def rule_boundary_probs(
+    token_states: torch.Tensor,
+    starts: torch.Tensor,
+    mask: torch.Tensor,
+    past_token_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rule router (DLCM §8.1): p_t = ½(1 − cos(h_{t−1}, h_t)); no parameters.
+
+    Args:
+        token_states: (B, L, D).
+        starts, mask: (B, L) bool.
+        past_token_states: (B, D) state of the token before position 0 (cached decoding), or None.
+
+    Returns:
+        (B, L) float32 probabilities; 1 at starts, 0 at pads.
+    """
+    # The cosine is symmetric, so this is the cosine router with q = k = h.
+    return cosine_boundary_probs(token_states, token_states, starts, mask, past_keys=past_token_states)
+
+
+def rule_boundaries(probs: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Rule decision (DLCM §8.1): a boundary where p_t > threshold (strictly).
+
+    `probs` must come from a router here: starts (p = 1) then open a chunk and pads (p = 0) do not,
+    for any threshold in [0, 1).
+    """
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"threshold must be in [0, 1) so that starts open a chunk, got {threshold}")
+    return probs > threshold
+
+
+def linear_boundary_probs(logits: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Linear router (ConceptMoE ablation): p_t = σ(w·h_t), from (B, L) logits; float32 out."""
+    _check_token_layout(logits.shape, starts, mask)
+    probs = torch.sigmoid(logits.to(_compute_dtype(logits.dtype)))
+    return _force_starts_and_pads(probs, starts, mask)
+
+
+def sample_gumbel_noise(
+    shape: tuple[int, ...],
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent standard Gumbel noises g′, g″ of `shape`, drawn from `generator`."""
+    uniforms = torch.rand((2, *shape), generator=generator, device=device, dtype=dtype)
+    # torch.rand gives [0, 1): lifting 0 to the smallest normal keeps both logarithms finite.
+    uniforms = uniforms.clamp_min(torch.finfo(dtype).tiny)
+    noise = -torch.log(-torch.log(uniforms))
+    return noise[0], noise[1]
+
+
+def gumbel_sigmoid(
+    logits: torch.Tensor, gumbel_noise_a: torch.Tensor, gumbel_noise_b: torch.Tensor
+) -> torch.Tensor:
+    """Gumbel-sigmoid sample (LSLM eq. 5): σ(p̂ + g′ − g″), float32 out.
+
+    g′ − g″ is a standard logistic variable, so P(sample ≥ ½) = σ(p̂): thresholding at ½ (LSLM eq. 6)
+    draws a Bernoulli(σ(p̂)) decision whose straight-through gradient flows into `logits`.
+    """
+    if gumbel_noise_a.shape != logits.shape or gumbel_noise_b.shape != logits.shape:
+        raise ValueError(
+            f"gumbel noises must have the logits' shape {tuple(logits.shape)}, got "
+            f"{tuple(gumbel_noise_a.shape)} and {tuple(gumbel_noise_b.shape)}"
+        )
+    logits = logits.to(_compute_dtype(logits.dtype))
+    return torch.sigmoid(logits + gumbel_noise_a.to(logits.dtype) - gumbel_noise_b.to(logits.dtype))
+
+
+def sharpen_probs(probs: torch.Tensor, tau: float) -> torch.Tensor:
+    """ConceptMoE eq. 5: p^{1/τ} where p ≥ ½, 1 − (1 − p)^{1/τ} where p < ½.
+
+    With τ > 1 this pushes probabilities away from ½, so that confident decisions are rarely flipped
+    by the Bernoulli draw and uncertain ones sometimes are.
+    """
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    exponent = 1.0 / tau
+    # Each branch sees only its own half-range, so the unused branch has no infinite derivative
+    # (p^{1/τ} at p = 0) that torch.where would turn into NaN.
+    upper = probs.clamp_min(0.5).pow(exponent)
+    lower = 1.0 - (1.0 - probs.clamp_max(0.5)).pow(exponent)
+    return torch.where(probs >= 0.5, upper, lower)
+
+
+def _check_decision_args(noise: str, threshold: float, tau: float, sigma: float) -> None:
+    if noise not in NOISE_KINDS:
+        raise ValueError(f"noise must be one of {NOISE_KINDS}, got {noise!r}")
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    if not sigma >= 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma}")
+
+
+def boundary_decisions_from_noise(
+    probs: torch.Tensor,
+    starts: torch.Tensor,
+    mask: torch.Tensor,
+    random_values: torch.Tensor | None,
+    *,
+    noise: str,
+    training: bool,
+    threshold: float = 0.5,
+    tau: float = 6.0,
+    sigma: float = 0.1,
+) -> torch.Tensor:
+    """`boundary_decisions` with its random part given: uniforms in [0, 1) for "bernoulli", standard
+    normals for "gaussian" (both (B, L)); None when the decision is deterministic."""
+    _check_decision_args(noise, threshold, tau, sigma)
+    _check_token_layout(probs.shape, starts, mask)
+    probs = probs.detach()
+    if not training or noise == "none":
+        chosen = probs >= threshold
+    else:
+        if random_values is None or random_values.shape != probs.shape:
+            shape = None if random_values is None else tuple(random_values.shape)
+            raise ValueError(
+                f"random_values must be (B, L) = {tuple(probs.shape)} for {noise!r}, got {shape}"
+            )
+        if noise == "bernoulli":
+            # u < p' with u uniform in [0, 1) is a Bernoulli(p') draw.
+            chosen = random_values < sharpen_probs(probs, tau)
+        else:
+            chosen = probs + sigma * random_values >= threshold
+    return (chosen | starts) & mask
+
+
+def boundary_decisions(
+    probs: torch.Tensor,
+    starts: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    noise: str = "bernoulli",
+    threshold: float = 0.5,
+    tau: float = 6.0,
+    sigma: float = 0.1,
+    training: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Hard boundaries b (B, L) bool from probabilities (DESIGN §3, discrete decision).
+
+    Inference (`training=False`) or `noise="none"`: b = p ≥ threshold. Training with "bernoulli":
+    b ~ Bernoulli(sharpen_probs(p, tau)) (ConceptMoE eq. 5–6). Training with "gaussian":
+    b = p + N(0, σ²) ≥ threshold. Starts are always True and pads always False. The random values are
+    drawn from `generator` and passed to `boundary_decisions_from_noise`.
+    """
+    _check_decision_args(noise, threshold, tau, sigma)
+    random_values = None
+    if training and noise == "bernoulli":
+        random_values = torch.rand(probs.shape, generator=generator, device=probs.device)
+    elif training and noise == "gaussian":
+        random_values = torch.randn(probs.shape, generator=generator, device=probs.device)
+    return boundary_decisions_from_noise(
+        probs,
+        starts,
+        mask,
+        random_values,
+        noise=noise,
+        training=training,
+        threshold=threshold,
+        tau=tau,
+        sigma=sigma,
+    )
+
+
+class _OnesWithIdentityGradient(torch.autograd.Function):
+    """Forward: exactly 1. Backward: the incoming gradient, unchanged."""
+
+    @staticmethod
+    def forward(ctx, chosen_probs: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(chosen_probs)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
+def straight_through(probs: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """Straight-through factor (B, L) (ConceptMoE appendix B): value exactly 1.0; its gradient goes to
+    the chosen probability, p_t where b_t = 1 and 1 − p_t where b_t = 0."""
+    chosen_probs = torch.where(boundaries, probs, 1.0 - probs)
+    return _OnesWithIdentityGradient.apply(chosen_probs)
+
+
+def _check_target_ratio(target_ratio: float) -> float:
+    if not target_ratio > 1:
+        raise ValueError(f"target_ratio must be > 1 (tokens per concept), got {target_ratio}")
+    return float(target_ratio)
+
+
+def ratio_loss_from_fractions(
+    boundary_fraction: torch.Tensor, mean_prob: torch.Tensor, target_ratio: float
+) -> torch.Tensor:
+    """L = R/(R−1)·((R−1)·F·G + (1−F)(1−G)) − 1 (DLCM eq. 10), elementwise."""
+    ratio = _check_target_ratio(target_ratio)
+    F, G = boundary_fraction, mean_prob
+    return ratio / (ratio - 1) * ((ratio - 1) * F * G + (1 - F) * (1 - G)) - 1
+
+
+def ratio_loss_coefficients(
+    boundary_fraction: torch.Tensor, target_ratio: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slope, intercept) with L = slope·G + intercept for a fixed F (module docstring)."""
+    ratio = _check_target_ratio(target_ratio)
+    scale = ratio / (ratio - 1)
+    return scale * (ratio * boundary_fraction - 1), scale * (1 - boundary_fraction) - 1
+
+
+@dataclass
+class RatioLossOutput:
+    """Result of `ratio_loss`.
+
+    Attributes:
+        loss: the term to add to the training loss, with gradient (the rank's and micro-batch's share
+            for the "global" scope).
+        value: the loss over the whole scope so far, detached, for logging.
+        boundary_fraction: F over the scope (mean over sequences for "sequence"), detached.
+        mean_prob: G over the scope (mean over sequences for "sequence"), detached.
+        token_count: real tokens in the scope (int64).
+    """
+
+    loss: torch.Tensor
+    value: torch.Tensor
+    boundary_fraction: torch.Tensor
+    mean_prob: torch.Tensor
+    token_count: torch.Tensor
+
+
+class RatioAccumulator:
+    """Running boundary and token counts of one optimizer step, for the "global" ratio-loss scope.
+
+    Create it with the number of micro-batches per optimizer step (gradient accumulation steps) and call
+    `reset` at the start of every optimizer step. Pass `step_token_count` to `reset`, the real tokens of
+    the whole step over all ranks, to make the denominator exact. `Trainer` fetches a step's
+    micro-batches up front, so this count is known before the first forward. All counts here are
+    global, already summed over ranks.
+    """
+
+    def __init__(self, num_micro_batches: int) -> None:
+        if not (isinstance(num_micro_batches, int) and num_micro_batches >= 1):
+            raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
+        self.num_micro_batches = num_micro_batches
+        self.reset()
+
+    def reset(self, step_token_count: int | torch.Tensor | None = None) -> None:
+        """Start a new optimizer step."""
+        if isinstance(step_token_count, int) and step_token_count < 0:
+            raise ValueError(f"step_token_count must be >= 0, got {step_token_count}")
+        self.step_token_count = step_token_count
+        self.micro_batches_seen = 0
+        # float64 (boundaries, sum of p, tokens) over the micro-batches seen so far.
+        self.running_counts: torch.Tensor | None = None
+
+    def update(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add one micro-batch's global counts (3,); return the running counts and the denominator N."""
+        if self.micro_batches_seen >= self.num_micro_batches:
+            raise ValueError(
+                f"RatioAccumulator got more than num_micro_batches={self.num_micro_batches} micro-batches; "
+                "call reset() at the start of every optimizer step"
+            )
+        self.micro_batches_seen += 1
+        running = counts if self.running_counts is None else self.running_counts + counts
+        self.running_counts = running
+        if self.step_token_count is not None:
+            denominator = torch.as_tensor(self.step_token_count, dtype=counts.dtype, device=counts.device)
+        else:
+            denominator = running[2] * (self.num_micro_batches / self.micro_batches_seen)
+        return running, denominator
+
+
+def _all_reduce_sum(counts: torch.Tensor, process_group) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        counts = counts.clone()
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
+    return counts
+
+
+def _pooled_ratio_loss(
+    probs: torch.Tensor,
+    boundaries: torch.Tensor,
+    mask: torch.Tensor,
+    target_ratio: float,
+    across_ranks: bool,
+    accumulator: RatioAccumulator | None,
+    process_group,
+) -> RatioLossOutput:
+    """The "batch" scope, and the "global" scope when `across_ranks` (shares: module docstring)."""
+    prob_sum = torch.where(mask, probs, 0.0).sum()
+    local_tokens = mask.sum()
+    counts = torch.stack([(boundaries & mask).sum(), local_tokens]).to(torch.float64)
+    counts = torch.stack([counts[0], prob_sum.detach().to(torch.float64), counts[1]])
+    if across_ranks:
+        counts = _all_reduce_sum(counts, process_group)
+    denominator = counts[2]
+    if accumulator is not None:
+        counts, denominator = accumulator.update(counts)
+    boundary_count, total_prob, token_count = counts.unbind()
+    boundary_fraction = boundary_count / token_count.clamp_min(1)
+    mean_prob = total_prob / token_count.clamp_min(1)
+    slope, intercept = ratio_loss_coefficients(boundary_fraction, target_ratio)
+    denominator = denominator.clamp_min(1).to(probs.dtype)
+    share = (slope.to(probs.dtype) * prob_sum + intercept.to(probs.dtype) * local_tokens) / denominator
+    value = ratio_loss_from_fractions(boundary_fraction, mean_prob, target_ratio)
+    # An empty scope has no loss to report (the formula would give 1/(R−1)).
+    value = torch.where(token_count > 0, value, 0.0)
+    return RatioLossOutput(
+        loss=share,
+        value=value.to(probs.dtype),
+        boundary_fraction=boundary_fraction.to(probs.dtype),
+        mean_prob=mean_prob.to(probs.dtype),
+        token_count=token_count.round().long(),
+    )
+
+
+def _sequence_ratio_loss(
+    probs: torch.Tensor,
+    boundaries: torch.Tensor,
+    mask: torch.Tensor,
+    starts: torch.Tensor | None,
+    target_ratio: float,
+) -> RatioLossOutput:
+    """The "sequence" scope: one loss per sequence (per document with `starts`), averaged."""
+    batch_size, length = mask.shape
+    documents = torch.zeros_like(mask, dtype=torch.long) if starts is None else document_ids(mask, starts)
+    rows = torch.arange(batch_size, device=mask.device)[:, None]  # (B, 1)
+    # One slot per (row, document); pads add zeros to slot (row, 0).
+    slots = (rows * length + documents.clamp_min(0)).flatten()  # (B·L,)
+    weights = mask.flatten().to(probs.dtype)
+
+    def per_slot(values: torch.Tensor) -> torch.Tensor:
+        return probs.new_zeros(batch_size * length).index_add(0, slots, values.flatten() * weights)
+
+    token_counts = per_slot(torch.ones_like(probs))
+    boundary_fractions = per_slot(boundaries.to(probs.dtype)) / token_counts.clamp_min(1)
+    mean_probs = per_slot(torch.where(mask, probs, 0.0)) / token_counts.clamp_min(1)
+    losses = ratio_loss_from_fractions(boundary_fractions, mean_probs, target_ratio)
+    has_tokens = token_counts > 0
+    sequence_count = has_tokens.sum().clamp_min(1)
+
+    def mean_over_sequences(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(has_tokens, values, 0.0).sum() / sequence_count
+
+    loss = mean_over_sequences(losses)
+    return RatioLossOutput(
+        loss=loss,
+        value=loss.detach(),
+        boundary_fraction=mean_over_sequences(boundary_fractions),
+        mean_prob=mean_over_sequences(mean_probs.detach()),
+        token_count=mask.sum(),
+    )
+
+
+def ratio_loss(
+    probs: torch.Tensor,
+    boundaries: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    target_ratio: float,
+    scope: str = "batch",
+    starts: torch.Tensor | None = None,
+    accumulator: RatioAccumulator | None = None,
+    process_group=None,
+) -> RatioLossOutput:
+    """Ratio loss that steers the share of chunk-opening tokens towards 1/R (module docstring).
+
+    Args:
+        probs: (B, L) boundary probabilities, with gradient.
+        boundaries: (B, L) bool decisions that were actually used (F has no gradient).
+        mask: (B, L) bool real tokens.
+        target_ratio: R > 1, tokens per concept.
+        scope: "sequence", "batch" or "global".
+        starts: (B, L) bool; for "sequence", makes every packed document its own sequence.
+        accumulator: "global" only: running counts over the micro-batches of one optimizer step.
+        process_group: "global" only: the data-parallel group (default: the whole world, when
+            torch.distributed is initialised).
+    """
+    target_ratio = _check_target_ratio(target_ratio)
+    if scope not in RATIO_LOSS_SCOPES:
+        raise ValueError(f"scope must be one of {RATIO_LOSS_SCOPES}, got {scope!r}")
+    if boundaries.shape != probs.shape:
+        raise ValueError(
+            f"boundaries must have the probs' shape {tuple(probs.shape)}, got {boundaries.shape}"
+        )
+    _check_token_layout(probs.shape, starts, mask)
+    if scope != "global" and (accumulator is not None or process_group is not None):
+        raise ValueError(f"accumulator and process_group need scope='global', got scope={scope!r}")
+    boundaries = boundaries.bool()
+    if scope == "sequence":
+        return _sequence_ratio_loss(probs, boundaries, mask, starts, target_ratio)
+    across_ranks = scope == "global"
+    return _pooled_ratio_loss(probs, boundaries, mask, target_ratio, across_ranks, accumulator, process_group)
+
+
+def scale_aux_loss(
+    aux_loss: torch.Tensor,
+    local_items: int | torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None,
+) -> torch.Tensor:
+    """Weight a per-micro-batch mean auxiliary loss like `Trainer` weights the LM loss.
+
+    `Trainer` divides the summed LM loss of each micro-batch by `num_items_in_batch` (label tokens over
+    all micro-batches of the step and all ranks) and does not divide by the accumulation steps. A mean
+    auxiliary term added as it is would count once per micro-batch (transformers #48690). Multiplying
+    it by `local_items / num_items_in_batch` turns the sum over micro-batches (and over ranks, after
+    Trainer's ×world-size and DDP's mean) into the token-weighted mean. With `num_items_in_batch=None`,
+    `Trainer` averages the micro-batches itself, and the term is returned unchanged.
+
+    For the "batch" and "sequence" scopes. A "global" share is already weighted; do not pass it here.
+    """
+    if num_items_in_batch is None:
+        return aux_loss
+    if isinstance(num_items_in_batch, int | float) and num_items_in_batch <= 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
+    return aux_loss * local_items / num_items_in_batch

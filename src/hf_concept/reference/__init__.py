@@ -1,0 +1,1 @@
+"""Plain reference implementations used by tests and benchmarks."""

@@ -1,0 +1,1 @@
+"""Scripts that tests launch in child processes (torchrun workers)."""
