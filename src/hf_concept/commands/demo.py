@@ -27,12 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.output_dir is None:
         with tempfile.TemporaryDirectory(prefix="hf-concept-demo-") as tmp:
-            return _run_in(Path(tmp), args.seed)
+            return _run_in(Path(tmp), args.seed, keep=False)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    return _run_in(args.output_dir, args.seed)
+    return _run_in(args.output_dir, args.seed, keep=True)
 
 
-def _run_in(output_dir: Path, seed: int) -> int:
+def _run_in(output_dir: Path, seed: int, keep: bool) -> int:
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -76,9 +76,10 @@ def _run_in(output_dir: Path, seed: int) -> int:
 
     source_diff = (expected - actual).abs().max().item()
     reload_diff = (actual - reloaded_logits).abs().max().item()
+    where = "" if keep else " (temporary: pass --output-dir to keep it)"
     rows = [
-        ("source checkpoint", str(source_dir)),
-        ("hf_concept checkpoint", str(ours_dir)),
+        ("source checkpoint", f"{source_dir}{where}"),
+        ("hf_concept checkpoint", f"{ours_dir}{where}"),
         ("tokens in forward pass", str(input_ids.shape[1])),
         ("max |logit diff| vs transformers Llama", f"{source_diff:.2e}"),
         ("max |logit diff| after remote-code reload", f"{reload_diff:.2e}"),
