@@ -1,0 +1,172 @@
+"""DLCM's cross-attention from tokens to concepts by concept replication (DLCM §4.1), in two equal forms.
+
+Legend: B batch, L tokens, N concept slots, H query heads, G key/value heads (H a multiple of G), K head dim.
+
+Semantics. Each position s carries the key and value of concept slot `index[b, s]`; token t attends
+causally over the positions s <= t of its own document (real tokens only) that carry a concept, so a
+concept's weight is proportional to how many such positions carried it.
+
+Slots. `concept_k` / `concept_v` are (B, G, N, K) and `index` (B, L) long in [-1, N). Index -1 means the
+position carries nothing (pads, and tokens with no readable concept when the family wants nothing there).
+A family with a learned null concept puts it at slot 0, concepts after it, and passes
+`readable_concept_index(...) + 1`, so that tokens with no readable concept carry the null concept.
+Causality is the caller's `index` (see pooling.readable_concept_index); both forms add no lookahead.
+A query that sees no concept-carrying position gets zeros.
+
+Forms.
+- Replicated (training): `replicate_concept_kv` gathers K/V per position (repeat_interleave semantics),
+  then `replicated_concept_attention` runs SDPA with a boolean mask (causal & same document & real).
+- Counted (decoding): one K/V per slot plus counts c_n(t) = #{s <= t in t's document, real: index[s] = n};
+  scores get + log c_n(t) (-inf where 0) and the softmax runs over slots. `concept_counts` builds all the
+  counts of a sequence at once (cumulative one-hot); `update_concept_counts` adds one new token.
+GQA: query head h reads key/value head h // (H / G), as in transformers' `repeat_kv`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _expand_heads(concept_states: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, H, N, K) from (B, G, N, K): each key/value head serves H / G consecutive query heads."""
+    kv_heads = concept_states.shape[1]
+    if num_heads % kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({kv_heads})")
+    if kv_heads == num_heads:
+        return concept_states
+    return concept_states.repeat_interleave(num_heads // kv_heads, dim=1)
+
+
+def replicate_concept_kv(
+    concept_k: torch.Tensor, concept_v: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, G, L, K) keys and values per position: slot `index[b, s]`, zeros where it is -1."""
+    batch_size, kv_heads, num_slots, _ = concept_k.shape
+    if concept_v.shape[:3] != concept_k.shape[:3]:
+        raise ValueError(f"concept_v must match concept_k on (B, G, N), got {tuple(concept_v.shape)}")
+    if index.dim() != 2 or index.shape[0] != batch_size:
+        raise ValueError(f"index must be (B, L) with B = {batch_size}, got shape {tuple(index.shape)}")
+    if index.numel() and (int(index.max()) >= num_slots or int(index.min()) < -1):
+        raise ValueError(
+            f"index must lie in [-1, {num_slots}), got values {int(index.min())}..{int(index.max())}"
+        )
+    carries = (index >= 0).view(batch_size, 1, -1, 1)
+    slots = index.clamp(min=0).view(batch_size, 1, -1, 1)
+    replicated = []
+    for concept_states in (concept_k, concept_v):
+        width = concept_states.shape[-1]
+        # (B, G, L, K)
+        gathered = torch.gather(concept_states, 2, slots.expand(-1, kv_heads, -1, width))
+        replicated.append(torch.where(carries, gathered, 0.0))
+    return replicated[0], replicated[1]
+
+
+def _document_start_positions(starts: torch.Tensor) -> torch.Tensor:
+    """Long (B, L): position of the latest document start at or before each token (-1 if none)."""
+    positions = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)
+    return torch.cummax(torch.where(starts, positions, -1), dim=1).values
+
+
+def replication_attention_mask(index: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Bool (B, 1, L, L): query t sees key s iff s <= t, same document, both real, and s carries a concept."""
+    length = mask.shape[1]
+    document = _document_start_positions(starts & mask)
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    same_document = document.unsqueeze(2) == document.unsqueeze(1)
+    key_carries = (mask & (index >= 0)).unsqueeze(1)
+    allowed = causal & same_document & key_carries & mask.unsqueeze(2)
+    # (B, 1, L, L)
+    return allowed.unsqueeze(1)
+
+
+def replicated_concept_attention(
+    query_states: torch.Tensor,
+    concept_k: torch.Tensor,
+    concept_v: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, H, L, K): concept replication + causal SDPA. `query_states` (B, H, L, K), `starts` (B, L) bool."""
+    num_heads = query_states.shape[1]
+    key_states, value_states = replicate_concept_kv(
+        _expand_heads(concept_k, num_heads), _expand_heads(concept_v, num_heads), index
+    )
+    allowed = replication_attention_mask(index, mask, starts)
+    sees_something = allowed.any(dim=-1, keepdim=True)
+    # A row that sees nothing would softmax over -inf only (NaN): let it see everything, then zero it.
+    safe_mask = allowed | ~sees_something
+    attended = F.scaled_dot_product_attention(
+        query_states, key_states, value_states, attn_mask=safe_mask, scale=scale
+    )
+    return attended.masked_fill(~sees_something, 0.0)
+
+
+def concept_counts(
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    starts: torch.Tensor,
+    num_slots: int,
+    initial_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Long (B, L, N): for each query t, how many positions s <= t of its document carry each slot.
+
+    `initial_counts` (B, N) are the counts a continued row brings from its cache; they apply to the
+    tokens before the row's first document start in this call. Pads get zero counts.
+    """
+    carries = mask & (index >= 0)
+    one_hot = F.one_hot(index.clamp(min=0), num_slots) * carries.unsqueeze(-1)
+    running = torch.cumsum(one_hot, dim=1)
+    if initial_counts is not None:
+        running = running + initial_counts.unsqueeze(1)
+    document_start = _document_start_positions(starts & mask)
+    # Counts up to just before the token's document start belong to earlier documents: take them off.
+    before_start = (document_start - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, num_slots)
+    earlier = torch.gather(running, 1, before_start)
+    earlier = torch.where((document_start > 0).unsqueeze(-1), earlier, 0)
+    if initial_counts is not None:
+        # A start at position 0 drops what the cache brought; with no start yet, the cache's counts stay.
+        earlier = earlier + torch.where((document_start == 0).unsqueeze(-1), initial_counts.unsqueeze(1), 0)
+    return (running - earlier) * mask.unsqueeze(-1)
+
+
+def update_concept_counts(
+    counts: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor
+) -> torch.Tensor:
+    """Long (B, N'): the counts after one new token per row (decoding).
+
+    `counts` (B, N) before the token; `index`, `mask`, `starts` (B,) for the token. A document start resets
+    the row; a real token carrying slot n adds one to it. N' = max(N, largest index + 1): slots that became
+    readable grow the table with zeros.
+    """
+    num_slots = max(counts.shape[1], int(index.max()) + 1 if index.numel() else 0)
+    counts = F.pad(counts, (0, num_slots - counts.shape[1]))
+    counts = torch.where(starts.unsqueeze(-1), 0, counts)
+    carries = (mask & (index >= 0)).unsqueeze(-1)
+    return counts + F.one_hot(index.clamp(min=0), num_slots) * carries
+
+
+def concept_attention_counted(
+    query_states: torch.Tensor,
+    concept_k: torch.Tensor,
+    concept_v: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, H, L, K): softmax over slots of q·k_n·scale + log(count_n); `counts` (B, L, N), zeros give 0."""
+    num_heads, head_dim = query_states.shape[1], query_states.shape[-1]
+    if counts.dim() != 3 or counts.shape[2] != concept_k.shape[2]:
+        raise ValueError(f"counts must be (B, L, N) with N = {concept_k.shape[2]}, got {tuple(counts.shape)}")
+    scale = head_dim**-0.5 if scale is None else scale
+    key_states = _expand_heads(concept_k, num_heads)
+    value_states = _expand_heads(concept_v, num_heads)
+    # (B, H, L, N)
+    scores = torch.matmul(query_states, key_states.transpose(-1, -2)) * scale
+    log_counts = torch.log(counts.to(scores.dtype)).unsqueeze(1)
+    sees_something = (counts > 0).any(dim=-1).view(counts.shape[0], 1, -1, 1)
+    logits = torch.where(sees_something, scores + log_counts, 0.0)
+    weights = torch.softmax(logits, dim=-1)
+    # (B, H, L, K)
+    return torch.matmul(weights, value_states).masked_fill(~sees_something, 0.0)

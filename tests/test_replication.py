@@ -1,0 +1,170 @@
+"""DLCM concept replication (hf_concept.modeling.replication): replicated SDPA = counted form = reference."""
+
+import pytest
+import torch
+
+from hf_concept.modeling.packing import document_starts
+from hf_concept.modeling.pooling import readable_concept_index
+from hf_concept.modeling.replication import (
+    concept_attention_counted,
+    concept_counts,
+    replicate_concept_kv,
+    replicated_concept_attention,
+    update_concept_counts,
+)
+from hf_concept.reference.replication import concept_attention_loop
+from tests.layouts import make_layout
+
+
+def make_case(rows, num_heads=2, kv_heads=2, head_dim=4, null_concept=True, seed=0, dtype=torch.float64):
+    """Left-padded rows of packed documents, random chunks, DLCM's readable index ("mean" pooling)."""
+    generator = torch.Generator().manual_seed(seed)
+    mask, boundaries, position_ids = make_layout(rows, generator, boundary_rate=0.4)
+    length = mask.shape[1]
+    starts = document_starts(mask, position_ids)
+    index = readable_concept_index(boundaries, mask, starts, "mean")
+    num_slots = int(index.max()) + 1
+    if null_concept:
+        # Slot 0 holds the learned null concept; concept m sits at slot m + 1.
+        index, num_slots = index + 1, num_slots + 1
+        index = index.masked_fill(~mask, -1)
+    query_states = torch.randn(len(rows), num_heads, length, head_dim, generator=generator, dtype=dtype)
+    concept_k = torch.randn(len(rows), kv_heads, num_slots, head_dim, generator=generator, dtype=dtype)
+    concept_v = torch.randn(len(rows), kv_heads, num_slots, head_dim, generator=generator, dtype=dtype)
+    return query_states, concept_k, concept_v, index, mask, starts
+
+
+ROWS = [(0, [7, 5, 6]), (4, [14]), (9, [3, 6]), (18, [])]
+
+
+def run_all_forms(query_states, concept_k, concept_v, index, mask, starts):
+    counts = concept_counts(index, mask, starts, concept_k.shape[2])
+    return {
+        "replicated": replicated_concept_attention(query_states, concept_k, concept_v, index, mask, starts),
+        "counted": concept_attention_counted(query_states, concept_k, concept_v, counts),
+        "reference": concept_attention_loop(query_states, concept_k, concept_v, index, mask, starts),
+    }
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "kv_heads", "null_concept"), [(2, 2, True), (4, 2, True), (2, 2, False)]
+)
+def test_forms_match_reference_outputs_and_gradients(num_heads, kv_heads, null_concept):
+    case = make_case(ROWS, num_heads, kv_heads, null_concept=null_concept)
+    leaves = {
+        name: [t.clone().requires_grad_(True) for t in case[:3]]
+        for name in ("replicated", "counted", "reference")
+    }
+    outputs = {name: run_all_forms(*leaves[name], *case[3:])[name] for name in leaves}
+    upstream = torch.randn_like(outputs["reference"])
+    for name, output in outputs.items():
+        (output * upstream).sum().backward()
+        assert torch.isfinite(output).all(), name
+    for name in ("replicated", "counted"):
+        torch.testing.assert_close(outputs[name], outputs["reference"], rtol=1e-10, atol=1e-10)
+        for fast, slow in zip(leaves[name], leaves["reference"], strict=True):
+            torch.testing.assert_close(fast.grad, slow.grad, rtol=1e-10, atol=1e-10)
+    # Pads and tokens with nothing to read get exact zeros.
+    for name in ("replicated", "counted"):
+        assert (outputs[name].detach().transpose(1, 2)[~case[4]] == 0).all()
+
+
+def test_replicated_and_counted_agree_in_float32():
+    case = make_case(
+        [(3, [40, 25]), (0, [68])], num_heads=4, kv_heads=4, head_dim=16, dtype=torch.float32, seed=1
+    )
+    forms = run_all_forms(*case)
+    torch.testing.assert_close(forms["replicated"], forms["counted"], rtol=0, atol=1e-5)
+
+
+def test_replication_is_repeat_interleave_of_concepts():
+    concept_k = torch.randn(1, 2, 3, 4)
+    concept_v = torch.randn(1, 2, 3, 4)
+    lengths = torch.tensor([2, 1, 3])
+    index = torch.repeat_interleave(torch.arange(3), lengths).unsqueeze(0)
+    key_states, value_states = replicate_concept_kv(concept_k, concept_v, index)
+    torch.testing.assert_close(key_states, torch.repeat_interleave(concept_k, lengths, dim=2))
+    torch.testing.assert_close(value_states, torch.repeat_interleave(concept_v, lengths, dim=2))
+    carried_nothing, _ = replicate_concept_kv(concept_k, concept_v, torch.tensor([[-1, 0]]))
+    assert (carried_nothing[:, :, 0] == 0).all()
+    with pytest.raises(ValueError, match="index"):
+        replicate_concept_kv(concept_k, concept_v, torch.tensor([[3]]))
+
+
+def test_left_padded_row_equals_row_alone_and_packed_equals_apart():
+    query_states, concept_k, concept_v, index, mask, starts = make_case([(5, [6, 4, 7])], seed=2)
+    packed = replicated_concept_attention(query_states, concept_k, concept_v, index, mask, starts)
+    counts = concept_counts(index, mask, starts, concept_k.shape[2])
+    counted = concept_attention_counted(query_states, concept_k, concept_v, counts)
+    for begin, end in [(5, 22), (5, 11), (11, 15), (15, 22)]:
+        piece = slice(begin, end)
+        apart = replicated_concept_attention(
+            query_states[:, :, piece], concept_k, concept_v, index[:, piece], mask[:, piece], starts[:, piece]
+        )
+        torch.testing.assert_close(packed[:, :, piece], apart)
+        counts_apart = concept_counts(index[:, piece], mask[:, piece], starts[:, piece], concept_k.shape[2])
+        torch.testing.assert_close(
+            counted[:, :, piece],
+            concept_attention_counted(query_states[:, :, piece], concept_k, concept_v, counts_apart),
+        )
+    assert (packed[:, :, :5] == 0).all()
+
+
+def test_decoding_counts_follow_the_full_sequence():
+    query_states, concept_k, concept_v, index, mask, starts = make_case(ROWS, seed=3)
+    num_slots = concept_k.shape[2]
+    full_counts = concept_counts(index, mask, starts, num_slots)
+    full_attention = replicated_concept_attention(query_states, concept_k, concept_v, index, mask, starts)
+    counts = torch.zeros(mask.shape[0], 0, dtype=torch.long)
+    for position in range(mask.shape[1]):
+        counts = update_concept_counts(counts, index[:, position], mask[:, position], starts[:, position])
+        expected = full_counts[:, position, : counts.shape[1]]
+        real = mask[:, position]
+        assert torch.equal(counts[real], expected[real])
+        assert (full_counts[real, position, counts.shape[1] :] == 0).all()
+        step = concept_attention_counted(
+            query_states[:, :, position : position + 1],
+            concept_k[:, :, : counts.shape[1]],
+            concept_v[:, :, : counts.shape[1]],
+            counts.unsqueeze(1) * real.view(-1, 1, 1),
+        )
+        torch.testing.assert_close(step[:, :, 0], full_attention[:, :, position])
+
+
+def test_counts_continue_across_calls():
+    _, concept_k, _, index, mask, starts = make_case([(0, [9, 8])], seed=4)
+    num_slots = concept_k.shape[2]
+    full = concept_counts(index, mask, starts, num_slots)
+    for cut in (3, 9, 12):
+        later = slice(cut, None)
+        # A continued call marks only position-id resets as starts, as document_starts(has_past=True) does.
+        continued = concept_counts(
+            index[:, later], mask[:, later], starts[:, later], num_slots, initial_counts=full[:, cut - 1]
+        )
+        torch.testing.assert_close(continued, full[:, later])
+
+
+def test_causality_of_replicated_attention():
+    query_states, concept_k, concept_v, index, mask, starts = make_case(ROWS, seed=5)
+    reference = replicated_concept_attention(query_states, concept_k, concept_v, index, mask, starts)
+    for position in (2, 7, 12):
+        changed_queries = query_states.clone()
+        changed_queries[:, :, position + 1 :] = torch.randn_like(changed_queries[:, :, position + 1 :])
+        changed_index = index.clone()
+        # Later positions carry other (still readable-looking) slots: nothing at <= position may move.
+        changed_index[:, position + 1 :] = torch.where(mask[:, position + 1 :], 0, -1)
+        changed = replicated_concept_attention(
+            changed_queries, concept_k, concept_v, changed_index, mask, starts
+        )
+        torch.testing.assert_close(
+            changed[:, :, : position + 1], reference[:, :, : position + 1], rtol=0, atol=0
+        )
+
+
+def test_bad_inputs_raise_value_errors():
+    query_states, concept_k, concept_v, index, mask, starts = make_case(ROWS, num_heads=3, kv_heads=2)
+    with pytest.raises(ValueError, match="heads"):
+        replicated_concept_attention(query_states, concept_k, concept_v, index, mask, starts)
+    counts = concept_counts(index, mask, starts, concept_k.shape[2])
+    with pytest.raises(ValueError, match="counts"):
+        concept_attention_counted(query_states[:, :2], concept_k, concept_v, counts[..., :-1])
