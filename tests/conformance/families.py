@@ -76,6 +76,68 @@ def _plain_class() -> type:
     return PlainDecoderForCausalLM
 
 
+def _conceptmoe_config(**overrides: Any):
+    from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
+
+    values = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        encoder_layers=2,
+        decoder_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        compression_ratio=2.0,
+        pooling="first",
+    )
+    values.update(overrides)
+    return ConceptMoEConfig(**values)
+
+
+def _conceptmoe_mean_moe_config(**overrides: Any):
+    values = dict(
+        pooling="mean",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        norm_topk_prob=False,
+        qk_norm=True,
+        ratio_scope="sequence",
+        # The concept layer (index 2) stays dense: with few concepts its experts see one row each, and
+        # MKL's one-row products then depend on the weights' memory alignment, which differs after
+        # loading (a 1e-8 drift that the bitwise fresh-process check would flag).
+        mlp_only_layers=[2],
+    )
+    values.update(overrides)
+    return _conceptmoe_config(**values)
+
+
+def _conceptmoe_class() -> type:
+    from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+
+    return ConceptMoEForCausalLM
+
+
+@contextlib.contextmanager
+def _fixed_chunks(model: torch.nn.Module) -> Iterator[None]:
+    """ConceptMoE: every second token of each document opens a chunk while the context is open."""
+    config = model.config
+    saved = (config.chunking, config.compression_ratio)
+    config.chunking, config.compression_ratio = "fixed", 2
+    try:
+        yield
+    finally:
+        config.chunking, config.compression_ratio = saved
+
+
 FAMILIES: list[FamilySpec] = [
     FamilySpec(
         name="plain",
@@ -90,5 +152,23 @@ FAMILIES: list[FamilySpec] = [
         model_class=_plain_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
         invalid_values=(("num_experts_per_tok", 9), ("moe_intermediate_size", 0)),
+    ),
+    FamilySpec(
+        name="conceptmoe-first",
+        make_config=_conceptmoe_config,
+        model_class=_conceptmoe_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        invalid_values=(("pooling", "max"), ("compression_ratio", 1.0), ("joint_decoding_layers", 3)),
+        force_boundaries=_fixed_chunks,
+        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+    ),
+    FamilySpec(
+        name="conceptmoe-mean",
+        make_config=_conceptmoe_mean_moe_config,
+        model_class=_conceptmoe_class,
+        lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        invalid_values=(("dechunk_residual", "input"), ("concept_loop", [0, 2, 1]), ("encoder_layers", 4)),
+        force_boundaries=_fixed_chunks,
+        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
     ),
 ]

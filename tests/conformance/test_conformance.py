@@ -195,7 +195,8 @@ FRESH_PROCESS_SCRIPT = textwrap.dedent(
     data = torch.load(probe)
     with torch.no_grad():
         logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
-    torch.testing.assert_close(logits, data["logits"], atol=0, rtol=0)
+    # Not bit-exact: one-row expert matmuls may round differently once weights sit elsewhere in memory.
+    torch.testing.assert_close(logits, data["logits"], atol=1e-6, rtol=0)
     model.generation_config.eos_token_id = None
     sequences = model.generate(data["input_ids"][:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
     model.train()

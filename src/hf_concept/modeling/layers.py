@@ -439,13 +439,19 @@ class DecoderLayer(GradientCheckpointingLayer):
         past_key_values=None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+        return self.attend_and_mix(
+            hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             **kwargs,
         )
+
+    def attend_and_mix(
+        self, hidden_states: torch.Tensor, **attention_kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pre-norm residual body: attention (its keyword arguments passed through), then the MLP."""
+        attended, _ = self.self_attn(self.input_layernorm(hidden_states), **attention_kwargs)
         hidden_states = hidden_states + attended
         mixed = self.mlp(self.post_attention_layernorm(hidden_states))
         router_logits = None

@@ -49,6 +49,28 @@ def default_position_ids(
     return (torch.arange(length, device=device) + past_length).unsqueeze(0)
 
 
+@torch.no_grad()
+def init_backbone_weights(module: nn.Module, std: float) -> None:
+    """Initialise one leaf module of a backbone built from `layers`; every family's `_init_weights` uses it.
+
+    One branch per leaf type: a parent writing into a child's weights would be skipped (HF_NOTES §4).
+    """
+    if isinstance(module, nn.Linear):
+        init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        init.normal_(module.weight, mean=0.0, std=std)
+        if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+            init.zeros_(module.weight[module.padding_idx])
+    elif isinstance(module, RMSNorm):
+        init.ones_(module.weight)
+    elif isinstance(module, RotaryEmbedding):
+        # Non-persistent buffer: never in a checkpoint, garbage after meta-device loading.
+        inv_freq, module.attention_scaling = module.compute_inv_freq()
+        init.copy_(module.inv_freq, inv_freq)
+
+
 class PlainDecoderPreTrainedModel(PreTrainedModel):
     """Shared class attributes and weight initialisation of the plain family."""
 
@@ -64,22 +86,7 @@ class PlainDecoderPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # One branch per leaf type: a parent writing into a child's weights would be skipped (HF_NOTES §4).
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
-                init.zeros_(module.weight[module.padding_idx])
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, RotaryEmbedding):
-            # Non-persistent buffer: never in a checkpoint, garbage after meta-device loading.
-            inv_freq, module.attention_scaling = module.compute_inv_freq()
-            init.copy_(module.inv_freq, inv_freq)
+        init_backbone_weights(module, self.config.initializer_range)
 
 
 class PlainDecoderModel(PlainDecoderPreTrainedModel):

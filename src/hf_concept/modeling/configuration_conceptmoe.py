@@ -1,0 +1,180 @@
+"""Configuration of the ConceptMoE family (model_type "conceptmoe").
+
+Every backbone field is the plain family's (same names, same meaning, same checks); the ConceptMoE
+fields split the `num_hidden_layers` layers into encoder / concept / decoder stacks and describe the chunk
+module, pooling, dechunking, joint decoding and compute reallocation (DESIGN §3). `check_fields` raises
+`ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .configuration_plain import PlainDecoderConfig, _is_int, _is_number
+
+CHUNKING_KINDS = ("dynamic", "fixed")
+ROUTER_KINDS = ("cosine", "linear")
+ROUTER_INITS = ("random", "identity")
+BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
+POOLING_KINDS = ("first", "sum", "mean")
+DECHUNK_RESIDUALS = ("output", "delta")
+RATIO_SCOPES = ("global", "sequence")
+# Joint decoding on the last J decoder layers; None means min(DEFAULT_JOINT_LAYERS, decoder_layers).
+DEFAULT_JOINT_LAYERS = 4
+
+
+class ConceptMoEConfig(PlainDecoderConfig):
+    """Config of `ConceptMoEForCausalLM`.
+
+    `num_hidden_layers` = encoder_layers + concept layers + decoder_layers; the concept layers are the
+    rest and there must be at least one. Each layer keeps its index in that flat numbering for
+    `layer_types` (sliding windows).
+    """
+
+    model_type = "conceptmoe"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = [
+        "past_key_values",
+        "lm_loss",
+        "aux_loss",
+        "compression_ratio",
+        "boundary_prob_mean",
+        "hidden_states",
+    ]
+
+    num_hidden_layers: int = 6
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    compression_ratio: float = 2.0
+    chunking: str = "dynamic"
+    router: str = "cosine"
+    router_init: str = "random"
+    boundary_noise: str = "bernoulli"
+    boundary_tau: float = 6.0
+    boundary_sigma: float = 0.1
+    boundary_threshold: float = 0.5
+    pooling: str = "first"
+    dechunk_residual: str = "output"
+    joint_decoding_layers: int | None = None
+    concept_loop: list[int] | None = None
+    concept_hidden_size: int | None = None
+    aux_loss_weight: float = 0.03
+    ratio_scope: str = "global"
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if isinstance(self.concept_loop, tuple):
+            self.concept_loop = list(self.concept_loop)
+        # The parent merges this with any saved auto_map and keeps our AutoModel entry.
+        auto_map = {"AutoModel": "modeling_conceptmoe.ConceptMoEModel"}
+        auto_map.update(kwargs.pop("auto_map", None) or {})
+        kwargs["auto_map"] = auto_map
+        super().__post_init__(**kwargs)
+
+    @property
+    def num_concept_layers(self) -> int:
+        return self.num_hidden_layers - self.encoder_layers - self.decoder_layers
+
+    @property
+    def num_joint_layers(self) -> int:
+        if self.joint_decoding_layers is None:
+            return min(DEFAULT_JOINT_LAYERS, self.decoder_layers)
+        return self.joint_decoding_layers
+
+    @property
+    def concept_width(self) -> int:
+        return self.hidden_size if self.concept_hidden_size is None else self.concept_hidden_size
+
+    def concept_layer_schedule(self) -> list[int]:
+        """Concept-layer indices (within the concept stack) in the order they run, loops unrolled."""
+        order = list(range(self.num_concept_layers))
+        if self.concept_loop is None:
+            return order
+        start, end, extra = self.concept_loop
+        return order[:end] + list(range(start, end)) * extra + order[end:]
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        self._check_layer_split()
+        self._check_choices()
+        self._check_numbers()
+        self._check_compute_reallocation()
+
+    def _check_layer_split(self) -> None:
+        for name in ("encoder_layers", "decoder_layers"):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+        if self.num_concept_layers < 1:
+            raise ValueError(
+                f"num_hidden_layers={self.num_hidden_layers} must exceed encoder_layers={self.encoder_layers}"
+                f" + decoder_layers={self.decoder_layers} (at least one concept layer)"
+            )
+        joint = self.joint_decoding_layers
+        if joint is not None and not (_is_int(joint) and 0 <= joint <= self.decoder_layers):
+            raise ValueError(
+                f"joint_decoding_layers={joint!r} must be None or in "
+                f"[0, decoder_layers={self.decoder_layers}]"
+            )
+
+    def _check_choices(self) -> None:
+        choices = {
+            "chunking": CHUNKING_KINDS,
+            "router": ROUTER_KINDS,
+            "router_init": ROUTER_INITS,
+            "boundary_noise": BOUNDARY_NOISE_KINDS,
+            "pooling": POOLING_KINDS,
+            "dechunk_residual": DECHUNK_RESIDUALS,
+            "ratio_scope": RATIO_SCOPES,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} must be one of {allowed}")
+
+    def _check_numbers(self) -> None:
+        ratio = self.compression_ratio
+        if not _is_number(ratio):
+            raise ValueError(f"compression_ratio={ratio!r} must be a number")
+        if self.chunking == "dynamic" and not ratio > 1:
+            raise ValueError(f"compression_ratio={ratio!r} must be > 1 for chunking='dynamic'")
+        if self.chunking == "fixed" and not (ratio >= 1 and float(ratio).is_integer()):
+            raise ValueError(f"compression_ratio={ratio!r} must be an integer >= 1 for chunking='fixed'")
+        for name in ("boundary_tau",):
+            value = getattr(self, name)
+            if not (_is_number(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number")
+        for name in ("boundary_sigma", "aux_loss_weight"):
+            value = getattr(self, name)
+            if not (_is_number(value) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be a non-negative number")
+        threshold = self.boundary_threshold
+        if not (_is_number(threshold) and 0 < threshold <= 1):
+            raise ValueError(f"boundary_threshold={threshold!r} must be in (0, 1]")
+
+    def _check_compute_reallocation(self) -> None:
+        loop = self.concept_loop
+        if loop is not None:
+            valid = (
+                isinstance(loop, list)
+                and len(loop) == 3
+                and all(_is_int(value) for value in loop)
+                and 0 <= loop[0] < loop[1] <= self.num_concept_layers
+                and loop[2] >= 1
+            )
+            if not valid:
+                raise ValueError(
+                    f"concept_loop={loop!r} must be None or [start, end, extra] with "
+                    f"0 <= start < end <= {self.num_concept_layers} concept layers and extra >= 1"
+                )
+        width = self.concept_hidden_size
+        if width is not None and not (_is_int(width) and width >= self.hidden_size):
+            raise ValueError(
+                f"concept_hidden_size={width!r} must be None or an integer >= hidden_size={self.hidden_size}"
+            )
+        if width is not None and width % self.num_attention_heads != 0:
+            raise ValueError(
+                f"concept_hidden_size={width!r} must be divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+
+
+ConceptMoEConfig.register_for_auto_class()
