@@ -15,6 +15,7 @@ from hf_concept import __version__
 # Subcommand name -> module under hf_concept.commands exposing `add_parser(subparsers)` and `run(args)`.
 COMMANDS = {
     "demo": "hf_concept.commands.demo",
+    "convert": "hf_concept.commands.convert",
 }
 
 

@@ -1,8 +1,10 @@
-"""Conversion tools: read source checkpoints (Llama, Mistral, Qwen2/3, Mixtral, Qwen-MoE) into our models.
+"""Conversion tools: read source checkpoints (Llama, Mistral, Qwen2/3, Mixtral, Qwen-MoE) into our models,
+and convert them.
 
 These modules are tools, never loaded by a checkpoint; they may import `hf_concept.modeling`.
 """
 
+from .conceptmoe import convert_to_conceptmoe
 from .sources import (
     SUPPORTED_SOURCE_TYPES,
     iter_source_tensors,
@@ -14,6 +16,7 @@ from .sources import (
 
 __all__ = [
     "SUPPORTED_SOURCE_TYPES",
+    "convert_to_conceptmoe",
     "iter_source_tensors",
     "load_source_into_plain",
     "plain_config_from_source",

@@ -1,0 +1,99 @@
+"""`hf-concept convert <target> SRC DST`: turn a local source checkpoint into one of our families.
+
+Targets are sub-subcommands ("conceptmoe" today); each maps its flags onto the keyword arguments of a
+converter in `hf_concept.conversion`. A user error (bad option, unsupported source, existing destination,
+corrupt shard) prints one line to stderr and exits with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _loop(text: str) -> list[int]:
+    parts = text.split(":")
+    if len(parts) != 3 or not all(part.strip().lstrip("-").isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"--loop={text!r} must be START:END:TIMES, three integers")
+    return [int(part) for part in parts]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("convert", help="Convert a local checkpoint into an hf_concept family.")
+    targets = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
+    _add_conceptmoe(targets)
+
+
+def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
+    parser = targets.add_parser(
+        "conceptmoe",
+        help="Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen-MoE checkpoint -> ConceptMoE checkpoint.",
+        description="Split the source's layers into encoder / concept / decoder stages, add the chunk "
+        "module and zero-initialised joint-decoding projectors, and write a remote-code checkpoint.",
+    )
+    parser.add_argument("src", type=Path, help="Source checkpoint folder (safetensors).")
+    parser.add_argument("dst", type=Path, help="Destination folder (must not exist or be empty).")
+    parser.add_argument(
+        "--encoder-layers", type=int, default=2, help="Token-level layers before (default 2)."
+    )
+    parser.add_argument("--decoder-layers", type=int, default=2, help="Token-level layers after (default 2).")
+    parser.add_argument("--ratio", type=float, default=2.0, help="Target tokens per concept R (default 2).")
+    parser.add_argument("--chunking", choices=("dynamic", "fixed"), default="dynamic")
+    parser.add_argument(
+        "--joint-decoding-layers", type=int, default=None, help="Last J decoder layers read concepts."
+    )
+    parser.add_argument(
+        "--loop",
+        type=_loop,
+        default=None,
+        metavar="START:END:TIMES",
+        help="Run concept layers [START, END) TIMES extra times (no new parameters).",
+    )
+    parser.add_argument("--experts-per-token", type=int, default=None, help="New top-k for a MoE source.")
+    parser.add_argument("--router", choices=("cosine", "linear"), default="cosine")
+    parser.add_argument("--router-init", choices=("random", "identity"), default="random")
+    parser.add_argument("--pooling", choices=("first", "sum", "mean"), default="first")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--max-shard-size", default="2GB", help="Largest shard, e.g. 2GB or 500MB.")
+    parser.add_argument("--base-model", default=None, help="Name of the source in the model card.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the chunk module's random init.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty DST.")
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="Read .bin (pickle) weights; only for trusted sources."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        destination = _convert_conceptmoe(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
+        print(f"hf-concept convert {args.target}: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {destination}")
+    return 0
+
+
+def _convert_conceptmoe(args: argparse.Namespace) -> Path:
+    from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
+
+    return convert_to_conceptmoe(
+        args.src,
+        args.dst,
+        encoder_layers=args.encoder_layers,
+        decoder_layers=args.decoder_layers,
+        compression_ratio=args.ratio,
+        chunking=args.chunking,
+        joint_decoding_layers=args.joint_decoding_layers,
+        concept_loop=args.loop,
+        experts_per_token=args.experts_per_token,
+        router=args.router,
+        router_init=args.router_init,
+        pooling=args.pooling,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle,
+        seed=args.seed,
+        base_model=args.base_model,
+    )

@@ -1,0 +1,333 @@
+"""Convert a Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen-MoE checkpoint into a ConceptMoE checkpoint.
+
+Contract:
+- The source's layers are split in order: the first `encoder_layers` become `model.encoder_layers.*`,
+  the last `decoder_layers` become `model.decoder_layers.*`, the rest (at least one) become
+  `model.concept_layers.*`; every other source tensor keeps its name. Each layer keeps its source
+  index for `layer_types`, so sliding windows stay where they were.
+- New tensors: the chunk module (`model.chunker.*`, random N(0, initializer_range) from a generator
+  seeded with `seed`, or the identity for `router_init="identity"`) and the joint-decoding projectors
+  (`self_attn.concept_{q,k,v}_proj`, zeros). `dechunk_residual` is always "delta", so with
+  `chunking="fixed"`, `compression_ratio=1`, `pooling="first"` the converted model computes the
+  source model's logits.
+- Every tensor's shape is checked against a ConceptMoE model built on the meta device; missing and
+  unused keys are reported by name. Tensors stream shard by shard into `writer.atomic_folder`, so any
+  error leaves no destination folder behind.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_concept.conversion.sources import (
+    MOE_SOURCE_TYPES,
+    iter_source_tensors,
+    plain_config_from_source,
+    plain_tensors,
+    read_source_config,
+)
+from hf_concept.conversion.writer import (
+    atomic_folder,
+    check_destination,
+    copy_side_files,
+    parse_size,
+    write_config_with_remote_code,
+    write_model_card,
+    write_tensors,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "conceptmoe.md"
+_SOURCE_LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.+)$")
+_JOINT_PROJECTOR = re.compile(r"\.self_attn\.concept_[qkv]_proj\.weight$")
+
+
+def _model_classes():
+    """(ConceptMoEModel, ConceptMoEForCausalLM), imported when needed: the CLI's --help stays fast."""
+    from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEModel
+
+    return ConceptMoEModel, ConceptMoEForCausalLM
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, source_config) -> torch.dtype:
+    """The output dtype: `dtype` by name or value, else the source's dtype, else float32."""
+    if dtype is None:
+        source_dtype = getattr(source_config, "dtype", None)
+        if isinstance(source_dtype, str):
+            source_dtype = DTYPES.get(source_dtype)
+        return source_dtype if source_dtype in DTYPES.values() else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
+
+
+def _check_layer_split(encoder_layers: Any, decoder_layers: Any, total: int) -> None:
+    for name, value in (("encoder_layers", encoder_layers), ("decoder_layers", decoder_layers)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"{name}={value!r} must be a non-negative integer")
+    if encoder_layers + decoder_layers >= total:
+        raise ValueError(
+            f"encoder_layers={encoder_layers} + decoder_layers={decoder_layers} leave no concept layer: "
+            f"the source has num_hidden_layers={total}; at least one layer must remain for the concept model"
+        )
+
+
+def conceptmoe_config_from_source(source_config, **options: Any):
+    """A ConceptMoEConfig with the source's backbone fields and the conversion `options`
+    (encoder_layers, decoder_layers, compression_ratio, chunking, joint_decoding_layers, concept_loop,
+    experts_per_token, router, router_init, pooling)."""
+    from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
+
+    plain = plain_config_from_source(source_config)
+    _check_layer_split(options["encoder_layers"], options["decoder_layers"], plain.num_hidden_layers)
+    fields = plain.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype"):
+        fields.pop(key, None)
+    experts_per_token = options.pop("experts_per_token")
+    if experts_per_token is not None:
+        if source_config.model_type not in MOE_SOURCE_TYPES:
+            raise ValueError(
+                f"experts_per_token={experts_per_token!r} needs a MoE source; "
+                f"model_type={source_config.model_type!r} is dense"
+            )
+        fields["num_experts_per_tok"] = experts_per_token
+    loop = options.pop("concept_loop")
+    if options["router_init"] == "identity" and options["router"] != "cosine":
+        raise ValueError(f"router_init='identity' needs router='cosine', got router={options['router']!r}")
+    return ConceptMoEConfig(
+        **fields,
+        **options,
+        concept_loop=list(loop) if isinstance(loop, tuple | list) else loop,
+        dechunk_residual="delta",
+    )
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of `config` holds (the tied head excluded)."""
+    _, ConceptMoEForCausalLM = _model_classes()
+    with torch.device("meta"):
+        model = ConceptMoEForCausalLM(config)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def conceptmoe_name(plain_name: str, encoder_layers: int, concept_layers: int) -> str:
+    """Our name for a plain-family tensor name (`model.layers.{i}.*` goes to its stage)."""
+    match = _SOURCE_LAYER.match(plain_name)
+    if match is None:
+        return plain_name
+    index, rest = int(match["index"]), match["rest"]
+    if index < encoder_layers:
+        return f"model.encoder_layers.{index}.{rest}"
+    if index < encoder_layers + concept_layers:
+        return f"model.concept_layers.{index - encoder_layers}.{rest}"
+    return f"model.decoder_layers.{index - encoder_layers - concept_layers}.{rest}"
+
+
+def new_tensor(name: str, shape: tuple[int, ...], config, generator: torch.Generator) -> torch.Tensor | None:
+    """Initial value of a tensor the source does not have; None when `name` is not one we add."""
+    if name in ("model.chunker.q_proj.weight", "model.chunker.k_proj.weight"):
+        if config.router_init == "identity":
+            return torch.eye(*shape)
+        return torch.randn(shape, generator=generator) * config.initializer_range
+    if name == "model.chunker.score.weight":
+        return torch.randn(shape, generator=generator) * config.initializer_range
+    if name == "model.chunker.score.bias" or _JOINT_PROJECTOR.search(name):
+        # Zero projectors: joint decoding starts as a no-op, so the converted model equals the source.
+        return torch.zeros(shape)
+    return None
+
+
+def check_safetensors_files(folder: Path) -> None:
+    """Check the header and length of every safetensors file of a source folder before anything is
+    written, so that a truncated or corrupt shard is named instead of failing deep inside a read."""
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            names = dict.fromkeys(json.loads(index_path.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{index_path} is not a valid safetensors index: {error}") from None
+    else:
+        names = [name for name in ("model.safetensors",) if (folder / name).is_file()]
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"source shard {path} is listed in {index_path.name} but missing")
+        _check_safetensors_file(path)
+
+
+def _check_safetensors_file(path: Path) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_length <= size - 8:
+            raise ValueError(f"source shard {path} is corrupt or truncated: its header does not fit the file")
+        try:
+            header = json.loads(handle.read(header_length))
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise ValueError(f"source shard {path} is corrupt: its header is not valid safetensors") from None
+    expected = 8 + header_length + max(ends, default=0)
+    if expected != size:
+        raise ValueError(
+            f"source shard {path} is corrupt or truncated: "
+            f"it has {size} bytes, its header describes {expected}"
+        )
+
+
+def _source_tensors(
+    src: Path, model_type: str, config, allow_pickle: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) for every source tensor, in the source's order; the tied head is dropped."""
+    concept_layers = config.num_concept_layers
+    for key, tensor in iter_source_tensors(src, allow_pickle=allow_pickle):
+        for plain_name, value in plain_tensors(key, tensor, model_type):
+            if config.tie_word_embeddings and plain_name == "lm_head.weight":
+                continue
+            yield conceptmoe_name(plain_name, config.encoder_layers, concept_layers), value
+
+
+def converted_tensors(
+    src: Path,
+    model_type: str,
+    config,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    allow_pickle: bool,
+    seed: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the checkpoint's tensors: the source's, renamed and checked against `shapes`, then the new
+    ones. Raises ValueError naming shape mismatches, unused source keys and missing tensors."""
+    filled: set[str] = set()
+    unused: list[str] = []
+    for name, tensor in _source_tensors(src, model_type, config, allow_pickle):
+        if name not in shapes:
+            unused.append(name)
+            continue
+        if name in filled:
+            raise ValueError(f"{src}: tensor {name!r} appears twice in the source")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{src}: shape mismatch for {name!r}: the source has {tuple(tensor.shape)}, "
+                f"the ConceptMoE config needs {shapes[name]} (does config.json match the weights?)"
+            )
+        filled.add(name)
+        yield name, tensor.to(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    missing = []
+    for name in sorted(set(shapes) - filled):
+        value = new_tensor(name, shapes[name], config, generator)
+        if value is None:
+            missing.append(name)
+            continue
+        yield name, value.to(dtype)
+    if missing or unused:
+        raise ValueError(
+            f"{src}: tensors missing from the source: {missing}; unused source tensors: {unused}"
+        )
+
+
+def convert_to_conceptmoe(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    encoder_layers: int = 2,
+    decoder_layers: int = 2,
+    compression_ratio: float = 2.0,
+    chunking: str = "dynamic",
+    joint_decoding_layers: int | None = None,
+    concept_loop: Sequence[int] | None = None,
+    experts_per_token: int | None = None,
+    router: str = "cosine",
+    router_init: str = "random",
+    pooling: str = "first",
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "2GB",
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    seed: int = 0,
+    base_model: str | None = None,
+) -> Path:
+    """Convert the source checkpoint folder `src` into a ConceptMoE checkpoint folder `dst`; returns `dst`.
+
+    Options are ConceptMoEConfig fields (`concept_loop` = (start, end, extra passes)); `experts_per_token`
+    changes a MoE source's top-k; `dtype` defaults to the source's; `base_model` names the source in the
+    model card (default: the `src` path). Raises ValueError, with `dst` left untouched, for an unsupported
+    model_type, a bad option, missing/corrupt shards, shape mismatches, `.bin` weights without
+    `allow_pickle=True`, or an existing non-empty `dst` without `overwrite=True`.
+    """
+    src = Path(src)
+    dst = check_destination(dst, overwrite)
+    parse_size(max_shard_size)
+    source_config = read_source_config(src)
+    options = dict(
+        encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers,
+        compression_ratio=compression_ratio,
+        chunking=chunking,
+        joint_decoding_layers=joint_decoding_layers,
+        concept_loop=concept_loop,
+        experts_per_token=experts_per_token,
+        router=router,
+        router_init=router_init,
+        pooling=pooling,
+    )
+    config = conceptmoe_config_from_source(source_config, **options)
+    dtype = resolve_dtype(dtype, source_config)
+    check_safetensors_files(src)
+    card_template = MODEL_CARD_TEMPLATE.read_text()
+    shapes = expected_shapes(config)
+    tensors = converted_tensors(src, source_config.model_type, config, shapes, dtype, allow_pickle, seed)
+    ConceptMoEModel, ConceptMoEForCausalLM = _model_classes()
+    with atomic_folder(dst, overwrite=overwrite) as folder:
+        write_tensors(folder, tensors, max_shard_size, total=len(shapes), description="convert")
+        config.dtype = dtype
+        config.architectures = [ConceptMoEForCausalLM.__name__]
+        model_classes = {"AutoModel": ConceptMoEModel, "AutoModelForCausalLM": ConceptMoEForCausalLM}
+        write_config_with_remote_code(folder, config, model_classes)
+        copy_side_files(src, folder)
+        card_data, settings = _card_metadata(config, source_config.model_type, base_model or str(src), dtype)
+        write_model_card(
+            folder, card_template, card_data, base_model=card_data["base_model"], settings=settings
+        )
+    return dst
+
+
+def _card_metadata(config, source_type: str, base_model: str, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(model card metadata, architecture settings) for the README: base model, tags, settings."""
+    settings = {
+        "source_model_type": source_type,
+        "encoder_layers": config.encoder_layers,
+        "concept_layers": config.num_concept_layers,
+        "decoder_layers": config.decoder_layers,
+        "chunking": config.chunking,
+        "compression_ratio": config.compression_ratio,
+        "router": config.router,
+        "router_init": config.router_init,
+        "pooling": config.pooling,
+        "dechunk_residual": config.dechunk_residual,
+        "joint_decoding_layers": config.num_joint_layers,
+        "concept_loop": config.concept_loop,
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok if config.num_experts else None,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    card_data = dict(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        base_model=base_model,
+        tags=["custom_code", "conceptmoe", "hf_concept"],
+        conceptmoe=settings,
+    )
+    return card_data, settings
