@@ -460,10 +460,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             slots = cache.concept_slots()
         concept_states = pooled if self.concept_in_proj is None else self.concept_in_proj(pooled)
         position_embeddings = self.rotary_emb(concept_states, emitted.positions)
-        masks = {
-            "full_attention": concept_attention_mask(*slots, num_new, None),
-            "sliding_attention": concept_attention_mask(*slots, num_new, self.config.sliding_window),
-        }
+        masks = self.concept_masks(slots, num_new)
         for pass_idx, layer_idx in enumerate(self.config.concept_layer_schedule()):
             layer = self.concept_layers[layer_idx]
             concept_states, _ = layer(
@@ -475,6 +472,32 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         if self.concept_out_proj is not None:
             concept_states = self.concept_out_proj(concept_states)
         return concept_states - pooled if self.config.dechunk_residual == "delta" else concept_states
+
+    def concept_masks(self, slots: tuple[torch.Tensor, ...], num_queries: int) -> dict[str, Any]:
+        """One mask per attention type used by the concept layers.
+
+        Where the full-attention mask is plain causal (every slot real, one document per row, queries
+        covering all slots or a single query), sdpa gets no mask: its causal kernel skips the masked
+        half, which an explicit boolean mask prevents (about 2.5× faster at 4k concepts on CPU). Eager
+        attention treats a missing mask as no mask at all, so it always gets the boolean one.
+        """
+        valid, documents, _ = slots
+        layer_types = {layer.attention_type for layer in self.concept_layers}
+        masks: dict[str, Any] = {}
+        if "full_attention" in layer_types:
+            plain_causal = (
+                self.config._attn_implementation == "sdpa"
+                and num_queries in (1, valid.shape[1])
+                and bool(valid.all())
+                and bool((documents == documents[:, :1]).all())
+            )
+            masks["full_attention"] = (
+                None if plain_causal else concept_attention_mask(*slots, num_queries, None)
+            )
+        if "sliding_attention" in layer_types:
+            window = self.config.sliding_window
+            masks["sliding_attention"] = concept_attention_mask(*slots, num_queries, window)
+        return masks
 
     def continue_ema(
         self, concepts: torch.Tensor, emitted: EmittedConcepts, state: ConceptState

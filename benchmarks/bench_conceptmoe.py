@@ -1,0 +1,506 @@
+"""ConceptMoE converted from a Llama model against that same Llama model: prefill, decode, KV-cache bytes.
+
+Legend: L tokens (prompt length), R compression ratio (tokens per concept), E / C / D encoder, concept
+and decoder layers.
+
+One process builds a seeded random `LlamaForCausalLM` (fp32, sdpa, eval) and converts it to ConceptMoE
+(`--via converter`: `hf_concept.conversion.conceptmoe.convert_to_conceptmoe` on a saved copy, loaded with
+`ConceptMoEForCausalLM.from_pretrained`; `--via memory`: the source state dict renamed to the ConceptMoE
+module tree, new tensors left at the model's own init). Before any timing it checks that the converted
+model with fixed chunking and R = 1 reproduces the source logits (assert_close, 1e-4), so the comparison
+is against the right model. Then, under `torch.inference_mode`, after a warm-up, for each prompt length
+and each repeat it times in turn the source and each converted model (interleaved, so machine noise
+hits all of them alike):
+
+- prefill: one forward over L tokens with an empty cache, logits of the last token only (as generate);
+- decode: `--decode-tokens` greedy steps continuing from that prefilled cache (only the steps timed);
+- KV bytes after prefill: `ConceptCache.num_bytes()` against the sum of the source `DynamicCache`'s
+  key/value tensor bytes; ideal ratio (E + D + C / R) / (E + C + D) with R the realised tokens per
+  concept (exactly `--ratio` for fixed chunking).
+
+Chunking "fixed" (every R-th token opens a concept) gives the stable figure; "dynamic" uses the
+untrained cosine router as converted (random q/k, seeded), whose realised R is whatever it is: it is
+printed, never tuned. Prints one table per chunking mode (ratios are medians over the repeats) and the
+project's targets (prefill >= 1.5x and decode >= 1.3x at the longest length, KV within 5% of ideal)
+marked met / not met; it asserts none of them. `--profile` adds a per-section time breakdown of the
+converted model (perf_counter around its stages, wrapped at run time: no model file is changed) and a
+what-if run in which the concept layers get no mask (sdpa's `is_causal` kernel) wherever their boolean
+mask is plain causal attention, after checking that this gives the same logits.
+The default model (12 layers, width 256, 4 heads, 2 KV heads, MLP 1024, vocabulary 8192) runs the full
+default benchmark, profile included, in about 3 minutes on 2 cores.
+
+    python benchmarks/bench_conceptmoe.py [--layers 12] [--hidden 256] [--seq-lens 1024,2048,4096,8192]
+        [--decode-tokens 32] [--encoder-layers 2] [--decoder-layers 2] [--ratio 2]
+        [--chunking fixed|dynamic|both] [--repeats 5] [--threads N] [--via converter|memory] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from hf_concept.conversion.sources import plain_config_from_source, plain_tensors
+from hf_concept.modeling import modeling_conceptmoe
+from hf_concept.modeling.concept_cache import ConceptCache
+from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
+from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+
+try:
+    from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
+except ImportError:
+    convert_to_conceptmoe = None
+
+TARGET_PREFILL = 1.5
+TARGET_DECODE = 1.3
+TARGET_KV_DEVIATION = 0.05
+EXACTNESS_TOLERANCE = 1e-4
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12, help="source layers (E + C + D)")
+    parser.add_argument("--hidden", type=int, default=256, help="width D")
+    parser.add_argument("--intermediate", type=int, default=1024, help="MLP width")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (head dim = hidden / heads)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+    parser.add_argument("--seq-lens", default="1024,2048,4096,8192", help="comma-separated prompt lengths")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy steps timed after prefill")
+    parser.add_argument("--encoder-layers", type=int, default=2)
+    parser.add_argument("--decoder-layers", type=int, default=2)
+    parser.add_argument("--ratio", type=int, default=2, help="target tokens per concept R")
+    parser.add_argument("--chunking", choices=("fixed", "dynamic", "both"), default="both")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per length (median)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    parser.add_argument("--via", choices=("converter", "memory"), default=None, help="how to convert")
+    parser.add_argument("--profile", action="store_true", help="per-section breakdown of the converted model")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.seq_lens = [int(item) for item in args.seq_lens.split(",")]
+    if args.via is None:
+        args.via = "converter" if convert_to_conceptmoe is not None else "memory"
+    if args.via == "converter" and convert_to_conceptmoe is None:
+        raise ValueError("--via converter: hf_concept.conversion.conceptmoe.convert_to_conceptmoe is missing")
+    if args.hidden % args.heads != 0:
+        raise ValueError(f"--hidden={args.hidden} must be divisible by --heads={args.heads}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def build_source(args: argparse.Namespace) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq_lens) + args.decode_tokens + 16,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    return LlamaForCausalLM(config).to(torch.float32).eval()
+
+
+def conversion_options(args: argparse.Namespace, chunking: str, ratio: int) -> dict:
+    return dict(
+        encoder_layers=args.encoder_layers,
+        decoder_layers=args.decoder_layers,
+        compression_ratio=ratio,
+        chunking=chunking,
+    )
+
+
+def convert_in_memory(source: LlamaForCausalLM, options: dict, seed: int) -> ConceptMoEForCausalLM:
+    """The contract's conversion done on a state dict: same names, same layer split, new tensors at init."""
+    fields = plain_config_from_source(source.config).to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype"):
+        fields.pop(key, None)
+    config = ConceptMoEConfig(**fields, **options, dechunk_residual="delta")
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = ConceptMoEForCausalLM(config)
+    encoder, concept = config.encoder_layers, config.num_concept_layers
+    state = {}
+    for key, tensor in source.state_dict().items():
+        for name, value in plain_tensors(key, tensor, "llama"):
+            if name.startswith("model.layers."):
+                index, rest = name[len("model.layers.") :].split(".", 1)
+                index = int(index)
+                stage = (
+                    "encoder" if index < encoder else "concept" if index < encoder + concept else "decoder"
+                )
+                offset = {"encoder": 0, "concept": encoder, "decoder": encoder + concept}[stage]
+                name = f"model.{stage}_layers.{index - offset}.{rest}"
+            state[name] = value
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    added = [name for name in missing if not (name.startswith("model.chunker.") or ".concept_" in name)]
+    if unexpected or added:
+        raise ValueError(f"in-memory conversion: unexpected {unexpected}, missing {added}")
+    return model.eval()
+
+
+class Converter:
+    """Makes converted models of one source by the chosen route (the source saved once for the converter)."""
+
+    def __init__(self, source: LlamaForCausalLM, args: argparse.Namespace, workdir: Path) -> None:
+        self.source, self.args, self.workdir = source, args, workdir
+        if args.via == "converter":
+            source.save_pretrained(workdir / "source")
+
+    def __call__(self, chunking: str, ratio: int) -> ConceptMoEForCausalLM:
+        options = conversion_options(self.args, chunking, ratio)
+        if self.args.via == "memory":
+            return convert_in_memory(self.source, options, self.args.seed)
+        destination = self.workdir / f"conceptmoe-{chunking}-r{ratio}"
+        convert_to_conceptmoe(self.workdir / "source", destination, **options, seed=self.args.seed)
+        model = ConceptMoEForCausalLM.from_pretrained(
+            destination, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        return model.eval()
+
+
+def check_exactness(source: LlamaForCausalLM, convert: Converter, args: argparse.Namespace) -> float:
+    """Fixed chunking, R = 1 reproduces the source's logits; returns the largest difference."""
+    model = convert("fixed", 1)
+    input_ids = prompt(min(256, min(args.seq_lens)), args.vocab, args.seed + 1)
+    with torch.inference_mode():
+        expected = source(input_ids=input_ids).logits
+        actual = model(input_ids=input_ids).logits
+    torch.testing.assert_close(actual, expected, atol=EXACTNESS_TOLERANCE, rtol=EXACTNESS_TOLERANCE)
+    return (actual - expected).abs().max().item()
+
+
+def prompt(length: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Sample:
+    prefill_s: float
+    decode_s: float
+    kv_bytes: int
+    tokens_per_concept: float | None
+    decode_tokens_per_concept: float | None
+
+
+def concepts_so_far(cache) -> int | None:
+    if isinstance(cache, ConceptCache) and cache.state is not None:
+        return int(cache.state.concept_count.sum())
+    return None
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, ConceptCache):
+        return cache.num_bytes()
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(f"cache of type {type(cache).__name__} is not measured here")
+    tensors = [
+        tensor for layer in cache.layers if layer.is_initialized for tensor in (layer.keys, layer.values)
+    ]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def run_once(
+    model, input_ids: torch.Tensor, decode_tokens: int, on_prefilled: Callable[[], None] | None = None
+) -> Sample:
+    """Prefill (timed), KV bytes, then greedy decode steps from that cache (timed)."""
+    with torch.inference_mode():
+        start = time.perf_counter()
+        output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        prefill_s = time.perf_counter() - start
+        cache = output.past_key_values
+        kv_bytes = cache_bytes(cache)
+        ratio = getattr(output, "compression_ratio", None)
+        next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
+        concepts_before = concepts_so_far(cache)
+        if on_prefilled is not None:
+            on_prefilled()
+        start = time.perf_counter()
+        for _ in range(decode_tokens):
+            output = model(input_ids=next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
+        decode_s = time.perf_counter() - start
+        decode_ratio = None
+        if concepts_before is not None and decode_tokens > 0:
+            decode_ratio = decode_tokens / max(concepts_so_far(cache) - concepts_before, 1)
+    return Sample(prefill_s, decode_s, kv_bytes, None if ratio is None else ratio.item(), decode_ratio)
+
+
+@dataclass
+class Row:
+    length: int
+    samples: dict[str, list[Sample]] = field(default_factory=lambda: defaultdict(list))
+
+
+def measure(models: dict, args: argparse.Namespace) -> list[Row]:
+    """Interleaved rounds: per length and repeat, every model prefills and decodes once, in turn."""
+    warm_ids = prompt(min(args.seq_lens), args.vocab, args.seed + 2)
+    for model in models.values():
+        run_once(model, warm_ids, min(args.decode_tokens, 4))
+    rows = []
+    for length in args.seq_lens:
+        row = Row(length)
+        input_ids = prompt(length, args.vocab, args.seed + 3)
+        for repeat in range(args.repeats):
+            for name, model in models.items():
+                row.samples[name].append(run_once(model, input_ids, args.decode_tokens))
+            print(f"  L={length} round {repeat + 1}/{args.repeats} done", flush=True)
+        rows.append(row)
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- printing
+
+
+def ideal_kv_ratio(args: argparse.Namespace, tokens_per_concept: float) -> float:
+    token_layers = args.encoder_layers + args.decoder_layers
+    return (token_layers + (args.layers - token_layers) / tokens_per_concept) / args.layers
+
+
+def mode_figures(row: Row, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    source, converted = row.samples["source"], row.samples[mode]
+    prefill = statistics.median(s.prefill_s for s in source) / statistics.median(
+        s.prefill_s for s in converted
+    )
+    source_rate = args.decode_tokens / statistics.median(s.decode_s for s in source)
+    converted_rate = args.decode_tokens / statistics.median(s.decode_s for s in converted)
+    realised = converted[0].tokens_per_concept
+    kv = converted[0].kv_bytes / source[0].kv_bytes
+    ideal = ideal_kv_ratio(args, realised)
+    return dict(
+        prefill=prefill,
+        source_prefill_ms=statistics.median(s.prefill_s for s in source) * 1e3,
+        converted_prefill_ms=statistics.median(s.prefill_s for s in converted) * 1e3,
+        source_rate=source_rate,
+        converted_rate=converted_rate,
+        decode=converted_rate / source_rate,
+        kv=kv,
+        ideal=ideal,
+        deviation=(kv - ideal) / ideal,
+        realised=realised,
+        decode_realised=statistics.median(s.decode_tokens_per_concept for s in converted),
+    )
+
+
+def print_tables(rows: list[Row], modes: list[str], args: argparse.Namespace) -> None:
+    header = (
+        f"{'L':>6} {'R pre':>6} {'R dec':>6} {'src ms':>9} {'cmoe ms':>9} {'prefill x':>9} {'src tok/s':>9} "
+        f"{'cmoe tok/s':>10} {'decode x':>8} {'KV ratio':>8} {'ideal':>6} {'dev %':>6}"
+    )
+    for mode in modes:
+        print(
+            f"\n[{mode} chunking, target R={args.ratio}] R pre / R dec: realised tokens per concept in the "
+            "prompt / in the decoded tokens; prefill x = source/converted time (medians), decode x = "
+            "converted/source tokens/s, KV = converted/source bytes after prefill, ideal = "
+            "(E + D + C/R pre)/L, dev = KV/ideal - 1"
+        )
+        print(header)
+        for row in rows:
+            fig = mode_figures(row, mode, args)
+            print(
+                f"{row.length:>6} {fig['realised']:>6.3f} {fig['decode_realised']:>6.2f} "
+                f"{fig['source_prefill_ms']:>9.1f} "
+                f"{fig['converted_prefill_ms']:>9.1f} {fig['prefill']:>9.2f} {fig['source_rate']:>9.1f} "
+                f"{fig['converted_rate']:>10.1f} {fig['decode']:>8.2f} {fig['kv']:>8.4f} "
+                f"{fig['ideal']:>6.4f} {fig['deviation'] * 100:>+6.2f}"
+            )
+        print_targets(rows, mode, args)
+
+
+def print_targets(rows: list[Row], mode: str, args: argparse.Namespace) -> None:
+    longest = max(rows, key=lambda row: row.length)
+    fig = mode_figures(longest, mode, args)
+    worst = max(abs(mode_figures(row, mode, args)["deviation"]) for row in rows)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    print(
+        f"targets ({mode}): prefill >= {TARGET_PREFILL}x at L={longest.length}: {fig['prefill']:.2f}x "
+        f"{verdict(fig['prefill'] >= TARGET_PREFILL)}; decode >= {TARGET_DECODE}x at L={longest.length}: "
+        f"{fig['decode']:.2f}x {verdict(fig['decode'] >= TARGET_DECODE)}; KV within "
+        f"{TARGET_KV_DEVIATION:.0%} of ideal (worst {worst:.2%}): {verdict(worst <= TARGET_KV_DEVIATION)}"
+    )
+
+
+# ------------------------------------------------------------------------------------------- profiling
+
+
+class Sections:
+    """Inclusive perf_counter seconds per named stage of the converted model, wrapped at run time."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def timed(*call_args, **call_kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*call_args, **call_kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        setattr(owner, attribute, timed)
+        had_own = attribute in vars(owner)
+        self.undo.append(
+            lambda: setattr(owner, attribute, original) if had_own else delattr(owner, attribute)
+        )
+
+    def restore(self) -> None:
+        for undo in reversed(self.undo):
+            undo()
+        self.undo.clear()
+
+
+@contextlib.contextmanager
+def sections_of(model: ConceptMoEForCausalLM) -> Iterator[Sections]:
+    sections = Sections()
+    inner = model.model
+    sections.wrap(inner, "forward", "model forward (all below)")
+    # The model calls the plain family's mask builder through the class: wrap it there, restored after.
+    sections.wrap(modeling_conceptmoe.PlainDecoderModel, "attention_masks", "token masks (masking_utils)")
+    for stage in ("encoder_layers", "concept_layers", "decoder_layers"):
+        for layer in getattr(inner, stage):
+            sections.wrap(layer, "forward", f"{stage} (all)")
+    sections.wrap(inner, "concept_step", "concept_step (all below)")
+    sections.wrap(inner, "boundaries", "  boundaries (router/fixed)")
+    sections.wrap(modeling_conceptmoe, "emit_concepts", "  emit_concepts (pooling, slots)")
+    sections.wrap(inner, "run_concept_model", "  run_concept_model (incl. concept layers)")
+    sections.wrap(modeling_conceptmoe, "concept_attention_mask", "    concept_attention_mask")
+    sections.wrap(inner, "continue_ema", "  continue_ema")
+    sections.wrap(inner, "read_concepts", "  read_concepts")
+    sections.wrap(model.lm_head, "forward", "lm_head")
+    try:
+        yield sections
+    finally:
+        sections.restore()
+
+
+def causal_shortcut_mask(valid, documents, positions, num_queries, sliding_window):
+    """What-if for the profile: None (the kernel's `is_causal` path) where the concept mask is exactly
+    plain causal attention (every slot valid, one document, no window cut, queries = all slots or one)."""
+    num_keys = valid.shape[1]
+    plain = (
+        bool(valid.all())
+        and bool((documents == documents[:, :1]).all())
+        and (sliding_window is None or num_keys <= sliding_window)
+        and num_queries in (1, num_keys)
+    )
+    return None if plain else ORIGINAL_CONCEPT_MASK(valid, documents, positions, num_queries, sliding_window)
+
+
+ORIGINAL_CONCEPT_MASK = modeling_conceptmoe.concept_attention_mask
+
+
+def profile_one(model, input_ids: torch.Tensor, steps: int) -> tuple[Sample, dict, dict]:
+    """One prefill + decode with stage timers: (sample, prefill seconds, decode seconds per step)."""
+    with sections_of(model) as sections:
+        prefill: dict[str, float] = {}
+
+        def snapshot() -> None:
+            prefill.update(sections.seconds)
+            sections.seconds.clear()
+
+        sample = run_once(model, input_ids, steps, on_prefilled=snapshot)
+        decode = {key: value / steps for key, value in sections.seconds.items()}
+    return sample, prefill, decode
+
+
+def profile_converted(models: dict, args: argparse.Namespace) -> None:
+    """Where the converted models' time goes at the longest length, and a what-if: the concept layers
+    given no mask (sdpa's is_causal kernel) where their boolean mask is plain causal attention."""
+    length = max(args.seq_lens)
+    input_ids = prompt(length, args.vocab, args.seed + 3)
+    steps = max(args.decode_tokens, 1)
+    source = run_once(models["source"], input_ids, steps)
+    print(
+        f"\nprofile at L={length}: source prefill {source.prefill_s * 1e3:.1f} ms, "
+        f"decode {source.decode_s / steps * 1e3:.2f} ms/step"
+    )
+    for name, model in models.items():
+        if name == "source":
+            continue
+        sample, prefill, decode = profile_one(model, input_ids, steps)
+        print(
+            f"profile [{name}]: prefill {sample.prefill_s * 1e3:.1f} ms, "
+            f"decode {sample.decode_s / steps * 1e3:.2f} ms/step (inclusive perf_counter sections)"
+        )
+        print(f"  {'section':<46} {'prefill ms':>10} {'decode ms/step':>14}")
+        for key in sorted(prefill, key=lambda item: -prefill[item]):
+            print(f"  {key:<46} {prefill[key] * 1e3:>10.1f} {decode.get(key, 0.0) * 1e3:>14.3f}")
+        check_ids = input_ids[:, :256]
+        with torch.inference_mode():
+            expected = model(input_ids=check_ids).logits
+            modeling_conceptmoe.concept_attention_mask = causal_shortcut_mask
+            try:
+                actual = model(input_ids=check_ids).logits
+                run_once(model, input_ids, 1)
+                what_if = run_once(model, input_ids, steps)
+            finally:
+                modeling_conceptmoe.concept_attention_mask = ORIGINAL_CONCEPT_MASK
+        torch.testing.assert_close(actual, expected, atol=EXACTNESS_TOLERANCE, rtol=EXACTNESS_TOLERANCE)
+        print(
+            f"  what-if, no mask where the concept mask is plain causal (same logits): prefill "
+            f"{what_if.prefill_s * 1e3:.1f} ms ({source.prefill_s / what_if.prefill_s:.2f}x source), "
+            f"decode {what_if.decode_s / steps * 1e3:.2f} ms/step "
+            f"({source.decode_s / what_if.decode_s:.2f}x source)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    modes = ["fixed", "dynamic"] if args.chunking == "both" else [args.chunking]
+    source = build_source(args)
+    print(
+        f"source: LlamaForCausalLM layers={args.layers} hidden={args.hidden} "
+        f"intermediate={args.intermediate} "
+        f"heads={args.heads} kv_heads={args.kv_heads} vocab={args.vocab} fp32 "
+        f"attn={source.config._attn_implementation}; converted: E={args.encoder_layers} "
+        f"C={args.layers - args.encoder_layers - args.decoder_layers} D={args.decoder_layers} R={args.ratio} "
+        f"via {args.via}; threads={torch.get_num_threads()} torch={torch.__version__}"
+    )
+    with tempfile.TemporaryDirectory() as workdir:
+        convert = Converter(source, args, Path(workdir))
+        difference = check_exactness(source, convert, args)
+        print(f"exactness: fixed R=1 converted logits equal the source's (max |diff| {difference:.2e})")
+        models = {"source": source}
+        for mode in modes:
+            models[mode] = convert(mode, args.ratio)
+    rows = measure(models, args)
+    print_tables(rows, modes, args)
+    if args.profile:
+        profile_converted(models, args)
+    return {mode: [mode_figures(row, mode, args) | {"length": row.length} for row in rows] for mode in modes}
+
+
+if __name__ == "__main__":
+    main()
