@@ -17,7 +17,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from hf_concept.conversion.sources import (
     MOE_SOURCE_TYPES,
+    check_safetensors_files,
     iter_source_tensors,
     plain_config_from_source,
     plain_tensors,
@@ -146,44 +146,6 @@ def new_tensor(name: str, shape: tuple[int, ...], config, generator: torch.Gener
         # Zero projectors: joint decoding starts as a no-op, so the converted model equals the source.
         return torch.zeros(shape)
     return None
-
-
-def check_safetensors_files(folder: Path) -> None:
-    """Check the header and length of every safetensors file of a source folder before anything is
-    written, so that a truncated or corrupt shard is named instead of failing deep inside a read."""
-    index_path = folder / "model.safetensors.index.json"
-    if index_path.is_file():
-        try:
-            names = dict.fromkeys(json.loads(index_path.read_text())["weight_map"].values())
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{index_path} is not a valid safetensors index: {error}") from None
-    else:
-        names = [name for name in ("model.safetensors",) if (folder / name).is_file()]
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            raise ValueError(f"source shard {path} is listed in {index_path.name} but missing")
-        _check_safetensors_file(path)
-
-
-def _check_safetensors_file(path: Path) -> None:
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < header_length <= size - 8:
-            raise ValueError(f"source shard {path} is corrupt or truncated: its header does not fit the file")
-        try:
-            header = json.loads(handle.read(header_length))
-            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            raise ValueError(f"source shard {path} is corrupt: its header is not valid safetensors") from None
-    expected = 8 + header_length + max(ends, default=0)
-    if expected != size:
-        raise ValueError(
-            f"source shard {path} is corrupt or truncated: "
-            f"it has {size} bytes, its header describes {expected}"
-        )
 
 
 def _source_tensors(

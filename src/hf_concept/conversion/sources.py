@@ -318,3 +318,41 @@ def load_source_into_plain(
     _fill_parameters(model, folder, source_config.model_type, allow_pickle)
     model.config.dtype = dtype
     return model.eval()
+
+
+def check_safetensors_files(folder: Path) -> None:
+    """Check the header and length of every safetensors file of a source folder before anything is
+    written, so that a truncated or corrupt shard is named instead of failing deep inside a read."""
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            names = dict.fromkeys(json.loads(index_path.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{index_path} is not a valid safetensors index: {error}") from None
+    else:
+        names = [name for name in ("model.safetensors",) if (folder / name).is_file()]
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"source shard {path} is listed in {index_path.name} but missing")
+        _check_safetensors_file(path)
+
+
+def _check_safetensors_file(path: Path) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_length <= size - 8:
+            raise ValueError(f"source shard {path} is corrupt or truncated: its header does not fit the file")
+        try:
+            header = json.loads(handle.read(header_length))
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise ValueError(f"source shard {path} is corrupt: its header is not valid safetensors") from None
+    expected = 8 + header_length + max(ends, default=0)
+    if expected != size:
+        raise ValueError(
+            f"source shard {path} is corrupt or truncated: "
+            f"it has {size} bytes, its header describes {expected}"
+        )
