@@ -285,12 +285,21 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, token_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, L, D) -> query (B, H, L, K), key and value (B, G, L, K), before RoPE."""
+    def project(
+        self,
+        token_states: torch.Tensor,
+        additions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, L, D) -> query (B, H, L, K), key and value (B, G, L, K), before RoPE.
+
+        `additions` are (B, L, H·K), (B, L, G·K), (B, L, G·K) terms added to the projections before the
+        q/k norms (ConceptMoE's joint decoding adds projected concepts there).
+        """
         head_shape = (*token_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(token_states).view(head_shape)
-        key = self.k_proj(token_states).view(head_shape)
-        value = self.v_proj(token_states).view(head_shape)
+        query, key, value = self.q_proj(token_states), self.k_proj(token_states), self.v_proj(token_states)
+        if additions is not None:
+            query, key, value = query + additions[0], key + additions[1], value + additions[2]
+        query, key, value = query.view(head_shape), key.view(head_shape), value.view(head_shape)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -304,7 +313,19 @@ class Attention(nn.Module):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, L, D) token states -> (B, L, D) and the attention weights (eager only, else None)."""
-        query, key, value = self.project(hidden_states)
+        projected = self.project(hidden_states)
+        return self.attend(projected, position_embeddings, attention_mask, past_key_values, **kwargs)
+
+    def attend(
+        self,
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values=None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RoPE, cache update, the configured kernel and o_proj over `project`'s query, key and value."""
+        query, key, value = projected
         cos, sin = position_embeddings
         query, key = apply_rotary(query, key, cos, sin)
         if past_key_values is not None:
@@ -325,7 +346,7 @@ class Attention(nn.Module):
             **kwargs,
         )
         # (B, L, H·K)
-        output = output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        output = output.reshape(*output.shape[:2], -1).contiguous()
         return self.o_proj(output), weights
 
 

@@ -31,7 +31,6 @@ document's first chunk); concept attention through the concept mask. Left paddin
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,7 +41,6 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import ModelOutput
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .chunking import (
     Chunker,
@@ -54,7 +52,7 @@ from .chunking import (
 )
 from .concept_cache import ConceptCache, ConceptState
 from .configuration_conceptmoe import ConceptMoEConfig
-from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary, eager_attention_forward
+from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from .modeling_plain import PlainDecoderModel, default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
 from .pooling import gather_concepts_to_tokens
@@ -91,18 +89,6 @@ class JointAttention(Attention):
             concept_width, self.num_key_value_heads * self.head_dim, bias=False
         )
 
-    def joint_project(
-        self, token_states: torch.Tensor, token_concepts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, L, D) states and concepts -> query (B, H, L, K), key and value (B, G, L, K), before RoPE."""
-        head_shape = (*token_states.shape[:-1], -1, self.head_dim)
-        query = (self.q_proj(token_states) + self.concept_q_proj(token_concepts)).view(head_shape)
-        key = (self.k_proj(token_states) + self.concept_k_proj(token_concepts)).view(head_shape)
-        value = (self.v_proj(token_states) + self.concept_v_proj(token_concepts)).view(head_shape)
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -112,27 +98,14 @@ class JointAttention(Attention):
         token_concepts: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query, key, value = self.joint_project(hidden_states, token_concepts)
-        query, key = apply_rotary(query, key, *position_embeddings)
-        if past_key_values is not None:
-            # (B, G, S, K) with S = cached + new positions
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+        """(B, L, D) token states and their (B, L, D) concepts -> (B, L, D), eq. 11."""
+        additions = (
+            self.concept_q_proj(token_concepts),
+            self.concept_k_proj(token_concepts),
+            self.concept_v_proj(token_concepts),
         )
-        output, weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-        output = output.reshape(*hidden_states.shape[:-1], -1).contiguous()  # (B, L, H·K)
-        return self.o_proj(output), weights
+        projected = self.project(hidden_states, additions)
+        return self.attend(projected, position_embeddings, attention_mask, past_key_values, **kwargs)
 
 
 class JointDecoderLayer(DecoderLayer):
