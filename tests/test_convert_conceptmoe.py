@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -46,6 +45,7 @@ from hf_concept.conversion.writer import (
 )
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM, PlainDecoderModel
+from tests.fresh_process import fresh_process_logits
 from tests.test_layers_compat import CASES, build_source, logits_of, padded_batch, save_sharded
 
 TINY_LLAMA = dict(
@@ -432,39 +432,6 @@ def test_config_that_does_not_match_the_weights_is_refused(tmp_path):
     assert entries(tmp_path) == ["src"]
 
 
-FRESH_PROCESS_LOGITS = """
-import sys
-sys.modules["hf_concept"] = None
-import torch
-from transformers import AutoModelForCausalLM
-jobs, batch = torch.load(sys.argv[1])
-logits = {}
-for name, folder in jobs.items():
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    assert type(model).__name__ == "ConceptMoEForCausalLM", type(model)
-    with torch.no_grad():
-        logits[name] = model(**batch).logits
-torch.save(logits, sys.argv[2])
-"""
-
-
-def fresh_process_logits(tmp_path, jobs: dict[str, str], batch: dict) -> dict[str, torch.Tensor]:
-    """Logits of each checkpoint loaded in a `python -I` process where importing hf_concept fails."""
-    (tmp_path / "fresh.py").write_text(FRESH_PROCESS_LOGITS)
-    torch.save((jobs, batch), tmp_path / "jobs.pt")
-    environment = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-I", "fresh.py", "jobs.pt", "logits.pt"],
-        cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(tmp_path / "logits.pt")
-
-
 def test_every_source_type_converts_exactly(tmp_path):
     """fixed chunking, R = 1: every token is a concept, so the converted logits are the source's."""
     input_ids, attention_mask, position_ids = padded_batch()
@@ -485,7 +452,7 @@ def test_every_source_type_converts_exactly(tmp_path):
     # A tied head is not stored: loading ties it to the embedding again.
     tied = read_checkpoint(tmp_path / "llama-tied-linear-rope-conceptmoe")
     assert "lm_head.weight" not in tied and "model.embed_tokens.weight" in tied
-    actual = fresh_process_logits(tmp_path, jobs, batch)
+    actual = fresh_process_logits(tmp_path, jobs, batch, "ConceptMoEForCausalLM")
     for name in jobs:
         assert_close(actual[name][real], expected[name][real], atol=1e-4, rtol=1e-4, msg=name)
 

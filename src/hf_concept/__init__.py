@@ -14,6 +14,10 @@ _LAZY_EXPORTS = {
     "ConceptMoEModel": "hf_concept.modeling.modeling_conceptmoe",
     "ConceptMoEForCausalLM": "hf_concept.modeling.modeling_conceptmoe",
     "ConceptCache": "hf_concept.modeling.concept_cache",
+    "HiddenDecodingConfig": "hf_concept.modeling.configuration_hidden_decoding",
+    "HiddenDecodingModel": "hf_concept.modeling.modeling_hidden_decoding",
+    "HiddenDecodingForCausalLM": "hf_concept.modeling.modeling_hidden_decoding",
+    "StreamCache": "hf_concept.modeling.stream_cache",
 }
 
 __all__ = ["__version__", *_LAZY_EXPORTS]

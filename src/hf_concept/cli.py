@@ -16,6 +16,7 @@ from hf_concept import __version__
 COMMANDS = {
     "demo": "hf_concept.commands.demo",
     "convert": "hf_concept.commands.convert",
+    "expand": "hf_concept.commands.expand",
 }
 
 

@@ -138,6 +138,53 @@ def _fixed_chunks(model: torch.nn.Module) -> Iterator[None]:
         config.chunking, config.compression_ratio = saved
 
 
+def _hidden_decoding_config(**overrides: Any):
+    from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig
+
+    values = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_streams=3,
+        # Every kind once; a window of 5 expanded positions is shorter than the test sequences.
+        stream_attention_layout=["intra", "local", "intra", "full"],
+        sliding_window=5,
+    )
+    values.update(overrides)
+    return HiddenDecodingConfig(**values)
+
+
+def _hidden_decoding_shared_moe_config(**overrides: Any):
+    values = dict(
+        num_streams=2,
+        stream_kv="shared",
+        intra_stream_positions="token",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        norm_topk_prob=False,
+        qk_norm=True,
+    )
+    values.update(overrides)
+    return _hidden_decoding_config(**values)
+
+
+def _hidden_decoding_class() -> type:
+    from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+
+    return HiddenDecodingForCausalLM
+
+
 FAMILIES: list[FamilySpec] = [
     FamilySpec(
         name="plain",
@@ -170,5 +217,23 @@ FAMILIES: list[FamilySpec] = [
         invalid_values=(("dechunk_residual", "input"), ("concept_loop", [0, 2, 1]), ("encoder_layers", 4)),
         force_boundaries=_fixed_chunks,
         logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+    ),
+    FamilySpec(
+        name="hidden-decoding",
+        make_config=_hidden_decoding_config,
+        model_class=_hidden_decoding_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        invalid_values=(
+            ("num_streams", 0),
+            ("stream_attention_layout", ["intra", "cross", "intra", "full"]),
+            ("intra_stream_positions", "absolute"),
+        ),
+    ),
+    FamilySpec(
+        name="hidden-decoding-shared-moe",
+        make_config=_hidden_decoding_shared_moe_config,
+        model_class=_hidden_decoding_class,
+        lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        invalid_values=(("stream_kv", "pooled"), ("sliding_window", None), ("tie_word_embeddings", True)),
     ),
 ]

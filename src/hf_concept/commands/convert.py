@@ -1,8 +1,9 @@
 """`hf-concept convert <target> SRC DST`: turn a local source checkpoint into one of our families.
 
-Targets are sub-subcommands ("conceptmoe" today); each maps its flags onto the keyword arguments of a
-converter in `hf_concept.conversion`. A user error (bad option, unsupported source, existing destination,
-corrupt shard) prints one line to stderr and exits with status 2, without a traceback.
+Targets are sub-subcommands ("conceptmoe", "hidden-decoding"); each maps its flags onto the keyword
+arguments of a converter in `hf_concept.conversion`. A user error (bad option, unsupported source,
+existing destination, corrupt shard) prints one line to stderr and exits with status 2, without a
+traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("convert", help="Convert a local checkpoint into an hf_concept family.")
     targets = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
     _add_conceptmoe(targets)
+    _add_hidden_decoding(targets)
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags every target shares: output dtype and shards, card name, overwrite, pickle opt-in."""
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--max-shard-size", default="2GB", help="Largest shard, e.g. 2GB or 500MB.")
+    parser.add_argument("--base-model", default=None, help="Name of the source in the model card.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty DST.")
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="Read .bin (pickle) weights; only for trusted sources."
+    )
 
 
 def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
@@ -54,19 +67,47 @@ def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
     parser.add_argument("--router", choices=("cosine", "linear"), default="cosine")
     parser.add_argument("--router-init", choices=("random", "identity"), default="random")
     parser.add_argument("--pooling", choices=("first", "sum", "mean"), default="first")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    parser.add_argument("--max-shard-size", default="2GB", help="Largest shard, e.g. 2GB or 500MB.")
-    parser.add_argument("--base-model", default=None, help="Name of the source in the model card.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the chunk module's random init.")
-    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty DST.")
-    parser.add_argument(
-        "--allow-pickle", action="store_true", help="Read .bin (pickle) weights; only for trusted sources."
+    _add_output_flags(parser)
+    parser.set_defaults(convert=_convert_conceptmoe)
+
+
+def _add_hidden_decoding(targets: argparse._SubParsersAction) -> None:
+    parser = targets.add_parser(
+        "hidden-decoding",
+        help="Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen-MoE checkpoint -> Hidden Decoding checkpoint.",
+        description="Replicate the embedding table into one table per stream, choose each layer's stream "
+        "attention (intra / local / full) and write a remote-code checkpoint.",
     )
+    parser.add_argument("src", type=Path, help="Source checkpoint folder (safetensors).")
+    parser.add_argument("dst", type=Path, help="Destination folder (must not exist or be empty).")
+    parser.add_argument("--streams", type=int, required=True, help="Number of hidden streams n.")
+    parser.add_argument(
+        "--layout",
+        default=None,
+        metavar="PATTERN",
+        help="Stream attention per layer: kinds or letters i/l/f, comma-separated, each optionally *TIMES "
+        "(e.g. 'intra,intra,intra,full', 'iiif*2'); must give one entry per layer. Default: the source's "
+        "sliding-window layers are local, every K-th other layer full, the rest intra.",
+    )
+    parser.add_argument(
+        "--cross-every", type=int, default=4, metavar="K", help="Default layout: every K-th layer is full."
+    )
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="Window of local layers in expanded positions (default: the source's window x streams).",
+    )
+    parser.add_argument("--intra-stream-positions", choices=("expanded", "token"), default="expanded")
+    parser.add_argument("--stream-kv", choices=("per_stream", "shared"), default="per_stream")
+    _add_output_flags(parser)
+    parser.set_defaults(convert=_convert_hidden_decoding)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        destination = _convert_conceptmoe(args)
+        destination = args.convert(args)
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
         print(f"hf-concept convert {args.target}: error: {error}", file=sys.stderr)
         return 2
@@ -95,5 +136,25 @@ def _convert_conceptmoe(args: argparse.Namespace) -> Path:
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle,
         seed=args.seed,
+        base_model=args.base_model,
+    )
+
+
+def _convert_hidden_decoding(args: argparse.Namespace) -> Path:
+    from hf_concept.conversion.hidden_decoding import convert_to_hidden_decoding
+
+    return convert_to_hidden_decoding(
+        args.src,
+        args.dst,
+        num_streams=args.streams,
+        stream_attention_layout=args.layout,
+        cross_every=args.cross_every,
+        sliding_window=args.sliding_window,
+        intra_stream_positions=args.intra_stream_positions,
+        stream_kv=args.stream_kv,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle,
         base_model=args.base_model,
     )

@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
+
+from .forward_only_cache import ForwardOnlyCache
 
 
 @dataclass
@@ -91,7 +93,7 @@ class ConceptState:
         return ConceptState(*(function(tensor) for tensor in self.tensors()))
 
 
-class ConceptCache(Cache):
+class ConceptCache(ForwardOnlyCache):
     """Token K/V for encoder/decoder layers, concept K/V for concept layers, and the per-row state.
 
     Args:
@@ -99,6 +101,8 @@ class ConceptCache(Cache):
         token_layer_ids: indices of the encoder and decoder layers (the ones with token K/V).
         num_concept_passes: concept layers run per call, loops unrolled (one K/V pair each).
     """
+
+    rollback_reason = "chunk state is not kept per token"
 
     def __init__(self, num_hidden_layers: int, token_layer_ids: list[int], num_concept_passes: int) -> None:
         super().__init__(layers=[DynamicLayer() for _ in range(num_hidden_layers)])
@@ -184,27 +188,12 @@ class ConceptCache(Cache):
         super().batch_select_indices(indices)
         self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
 
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise ValueError(
-                f"tokens_to_remove={tokens_to_remove}: ConceptCache cannot roll back (chunk state is not "
-                "kept per token)"
-            )
-
     def num_bytes(self) -> int:
         """Bytes held by every tensor of the cache (token K/V, concept K/V, slots, per-row state)."""
-        tensors: list[torch.Tensor] = []
-        for layer in self.layers:
-            if layer.is_initialized:
-                tensors += [layer.keys, layer.values]
-        tensors += [tensor for tensor in self.concept_keys + self.concept_values if tensor is not None]
+        tensors = [tensor for tensor in self.concept_keys + self.concept_values if tensor is not None]
         slots = self.concept_slots()
         if slots is not None:
             tensors += list(slots)
         if self.state is not None:
             tensors += self.state.tensors()
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        return self.layer_bytes() + sum(tensor.numel() * tensor.element_size() for tensor in tensors)

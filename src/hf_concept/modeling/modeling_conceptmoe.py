@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, StaticCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import ModelOutput
 
@@ -52,8 +52,9 @@ from .chunking import (
 )
 from .concept_cache import ConceptCache, ConceptState
 from .configuration_conceptmoe import ConceptMoEConfig
+from .forward_only_cache import adopt_cache
 from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
-from .modeling_plain import PlainDecoderModel, default_position_ids, init_backbone_weights
+from .modeling_plain import PlainDecoderModel, default_position_ids, init_backbone_weights, project_logits
 from .packing import document_starts, token_mask
 from .pooling import gather_concepts_to_tokens
 from .routing import boundary_decisions, ratio_loss, scale_aux_loss, straight_through
@@ -254,21 +255,8 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
 
     def _concept_cache(self, past_key_values: Cache | None, use_cache: bool) -> ConceptCache | None:
         """Ours as is; an empty foreign cache (generate's DynamicCache) replaced; anything else refused."""
-        if isinstance(past_key_values, ConceptCache):
-            return past_key_values
-        if past_key_values is None:
-            return self.new_cache() if use_cache and not self.training else None
-        if not isinstance(past_key_values, Cache) or isinstance(past_key_values, StaticCache):
-            raise ValueError(
-                f"past_key_values of type {type(past_key_values).__name__} is not supported: ConceptMoE "
-                "decodes with a ConceptCache (model.model.new_cache(), or leave it to generate())"
-            )
-        if past_key_values.get_seq_length() > 0:
-            raise ValueError(
-                f"past_key_values is a filled {type(past_key_values).__name__}; ConceptMoE can only continue "
-                "from a ConceptCache"
-            )
-        return self.new_cache()
+        create = use_cache and not self.training
+        return adopt_cache(past_key_values, ConceptCache, self.new_cache, create, "ConceptMoE")
 
     def forward(
         self,
@@ -569,8 +557,7 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(outputs.last_hidden_state[:, kept, :])  # (B, L_kept, V)
+        logits = project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)  # (B, L_kept, V)
         loss = lm_loss = aux_loss = None
         if labels is not None:
             lm_loss = self.loss_function(

@@ -207,22 +207,24 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
         return all_states, all_router_logits
 
 
-class PlainDecoderForCausalLM(PlainDecoderPreTrainedModel, GenerationMixin):
-    """Causal LM: (B, L) ids -> (B, L, V) next-token logits; logit t depends on tokens <= t only.
+def project_logits(
+    lm_head: nn.Module, token_states: torch.Tensor, logits_to_keep: int | torch.Tensor
+) -> torch.Tensor:
+    """(B, L_kept, V) logits of the kept positions: the last `logits_to_keep` (0 = all) or given indices."""
+    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return lm_head(token_states[:, kept, :])
 
-    `labels` (B, L) give the usual shifted cross-entropy through `self.loss_function`, so the Trainer's
-    `num_items_in_batch` normalisation applies. `output_router_logits=True` returns the per-layer (N, E)
-    router logits of sparse layers.
+
+class CausalLMMixin:
+    """`forward` of a causal LM whose loss is the next-token cross-entropy alone (plain, Hidden Decoding).
+
+    The class sets `model` (a backbone returning `last_hidden_state`, `past_key_values`, `hidden_states`,
+    `router_logits`), `lm_head`, `output_class`, and `extra_output_fields` copied from the backbone's
+    output. Extra keyword arguments reach the backbone (and the loss, which ignores what it does not know).
     """
 
-    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def __init__(self, config: PlainDecoderConfig) -> None:
-        super().__init__(config)
-        self.model = PlainDecoderModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    output_class: ClassVar[type] = MoeCausalLMOutputWithPast
+    extra_output_fields: ClassVar[tuple[str, ...]] = ()
 
     def forward(
         self,
@@ -248,23 +250,39 @@ class PlainDecoderForCausalLM(PlainDecoderPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        token_states = outputs.last_hidden_state
-        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        # (B, L_kept, V)
-        logits = self.lm_head(token_states[:, kept, :])
+        logits = project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
         loss = None
         if labels is not None:
             loss = self.loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
             )
-        output = MoeCausalLMOutputWithPast(
+        output = self.output_class(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
+            **{name: getattr(outputs, name) for name in self.extra_output_fields},
         )
         return output.to_tuple() if return_dict is False else output
+
+
+class PlainDecoderForCausalLM(CausalLMMixin, PlainDecoderPreTrainedModel, GenerationMixin):
+    """Causal LM: (B, L) ids -> (B, L, V) next-token logits; logit t depends on tokens <= t only.
+
+    `labels` (B, L) give the usual shifted cross-entropy through `self.loss_function`, so the Trainer's
+    `num_items_in_batch` normalisation applies. `output_router_logits=True` returns the per-layer (N, E)
+    router logits of sparse layers.
+    """
+
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: PlainDecoderConfig) -> None:
+        super().__init__(config)
+        self.model = PlainDecoderModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
 
 
 PlainDecoderModel.register_for_auto_class("AutoModel")

@@ -1,0 +1,418 @@
+"""Convert a Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen-MoE checkpoint into a Hidden Decoding
+checkpoint, and grow a Hidden Decoding checkpoint's stream count (progressive expansion).
+
+Conversion contract (`convert_to_hidden_decoding`):
+- Every source tensor keeps its name. The embedding (V, D) becomes n tables side by side,
+  `E.repeat(1, n)` of shape (V, n·D): stream k reads columns k·D:(k+1)·D, and all n start equal.
+- `lm_head.weight` is always written: Hidden Decoding never ties its head (n tables cannot tie to one
+  head), so a tied source gets a copy of its embedding as the head.
+- Layout: one of "intra" / "local" / "full" per layer. By default the source's sliding-window layers
+  become `local` and, among the others, every `cross_every`-th layer is `full` (Appendix H: one
+  cross-stream layer in four), the rest `intra`. A layout can also be given as a pattern (see
+  `parse_stream_layout`).
+- `sliding_window` counts expanded positions, where each token occupies n slots; the converted window
+  is the source's window × n, so a `local` layer covers as many tokens as the source layer did.
+- With n = 1 every layer kind computes the source's attention, so the converted model gives the source
+  model's logits.
+
+Expansion contract (`expand_hidden_decoding`): n → m streams with m a multiple of n, by cyclic
+replication (paper eq. 5, E_{n+k} ← E_k): the tables become (E_1..E_n, E_1..E_n, ...); `sliding_window`
+is scaled by m / n for the same reason as above; every other tensor and setting is copied.
+
+Both check every tensor's shape against a model built on the meta device, name missing and unused
+tensors, and stream shard by shard into `writer.atomic_folder`, so any error leaves no destination.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_concept.conversion.conceptmoe import resolve_dtype
+from hf_concept.conversion.sources import (
+    check_safetensors_files,
+    iter_source_tensors,
+    plain_config_from_source,
+    plain_tensors,
+    read_source_config,
+)
+from hf_concept.conversion.writer import (
+    atomic_folder,
+    check_destination,
+    copy_side_files,
+    parse_size,
+    write_config_with_remote_code,
+    write_model_card,
+    write_tensors,
+)
+
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "hidden_decoding.md"
+HIDDEN_DECODING_TYPE = "hidden_decoding"
+STREAM_LAYER_KINDS = ("intra", "local", "full")
+# One letter per layer kind in compact layout patterns ("iiif*2").
+LAYOUT_LETTERS = {"i": "intra", "l": "local", "f": "full"}
+EMBEDDING = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+# Keys of a saved config that describe the file, not the model; the new config sets its own.
+_FILE_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype")
+
+
+def _model_classes():
+    """(HiddenDecodingModel, HiddenDecodingForCausalLM), imported when needed: --help stays fast."""
+    from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM, HiddenDecodingModel
+
+    return HiddenDecodingModel, HiddenDecodingForCausalLM
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+def _parse_layout_item(item: str, text: str) -> list[str]:
+    """Kinds of one comma-separated item: a kind name or a run of letters, optionally `*TIMES`."""
+    body, star, times = (part.strip() for part in item.partition("*"))
+    if star and not (times.isdigit() and int(times) > 0):
+        raise ValueError(f"stream_attention_layout={text!r}: {item!r} must repeat a positive number of times")
+    body = body.lower()
+    if body in STREAM_LAYER_KINDS:
+        run = [body]
+    elif body and all(letter in LAYOUT_LETTERS for letter in body):
+        run = [LAYOUT_LETTERS[letter] for letter in body]
+    else:
+        raise ValueError(
+            f"stream_attention_layout={text!r}: {item.strip()!r} is neither a layer kind "
+            f"({', '.join(STREAM_LAYER_KINDS)}) nor a run of the letters i/l/f"
+        )
+    return run * (int(times) if star else 1)
+
+
+def parse_stream_layout(layout: str | Sequence[str], num_hidden_layers: int) -> list[str]:
+    """The per-layer kinds of `layout`: a list of kind names, or a pattern string.
+
+    A pattern is comma-separated items; an item is a kind name (`intra`, `local`, `full`) or a run of
+    letters (i = intra, l = local, f = full), optionally followed by `*TIMES`. So "intra,intra,intra,full",
+    "iiif" and "intra*3,full" are the same 4-layer layout, and "iiif*2" is 8 layers. The result must have
+    `num_hidden_layers` entries.
+    """
+    if isinstance(layout, str):
+        kinds = [kind for item in layout.split(",") for kind in _parse_layout_item(item, layout)]
+    elif isinstance(layout, Sequence) and all(kind in STREAM_LAYER_KINDS for kind in layout):
+        kinds = list(layout)
+    else:
+        raise ValueError(
+            f"stream_attention_layout={layout!r} must be a pattern string or a list of "
+            f"{', '.join(STREAM_LAYER_KINDS)}"
+        )
+    if len(kinds) != num_hidden_layers:
+        raise ValueError(
+            f"stream_attention_layout={layout!r} gives {len(kinds)} layers; "
+            f"the model has num_hidden_layers={num_hidden_layers}"
+        )
+    return kinds
+
+
+def compact_layout(layout: Sequence[str]) -> str:
+    """The letter form of a layout ("iiif"), as the model card prints it."""
+    return "".join(kind[0] for kind in layout)
+
+
+def _local_window(layout: list[str], source_window: int | None, num_streams: int, sliding_window: Any):
+    """Window of `local` layers in expanded positions: `sliding_window` if given, else source × n;
+    None when no layer is local."""
+    if "local" not in layout:
+        if sliding_window is not None:
+            raise ValueError(f"sliding_window={sliding_window!r} is unused: the layout has no local layer")
+        return None
+    if sliding_window is not None:
+        return _check_positive_int("sliding_window", sliding_window)
+    if source_window is None:
+        raise ValueError(
+            f"stream_attention_layout={compact_layout(layout)!r} has local layers but the source has no "
+            "sliding_window; pass sliding_window (in expanded positions)"
+        )
+    return source_window * num_streams
+
+
+def hidden_decoding_config_from_source(
+    source_config,
+    *,
+    num_streams: int,
+    stream_attention_layout: str | Sequence[str] | None,
+    cross_every: int,
+    intra_stream_positions: str,
+    stream_kv: str,
+    sliding_window: int | None,
+):
+    """A HiddenDecodingConfig with the source's backbone fields and the conversion options."""
+    from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig, default_stream_layout
+
+    _check_positive_int("num_streams", num_streams)
+    _check_positive_int("cross_every", cross_every)
+    plain = plain_config_from_source(source_config)
+    layers = plain.num_hidden_layers
+    if stream_attention_layout is None:
+        layout = default_stream_layout(layers, cross_every, plain.layer_types)
+    else:
+        layout = parse_stream_layout(stream_attention_layout, layers)
+    fields = plain.to_dict()
+    # layer_types is derived from the layout; the head is never tied (n tables, one head).
+    for key in (*_FILE_KEYS, "layer_types", "sliding_window", "tie_word_embeddings"):
+        fields.pop(key, None)
+    return HiddenDecodingConfig(
+        **fields,
+        num_streams=num_streams,
+        stream_attention_layout=layout,
+        sliding_window=_local_window(layout, plain.sliding_window, num_streams, sliding_window),
+        intra_stream_positions=intra_stream_positions,
+        stream_kv=stream_kv,
+        tie_word_embeddings=False,
+    )
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of `config` holds (the head included: never tied)."""
+    _, HiddenDecodingForCausalLM = _model_classes()
+    with torch.device("meta"):
+        model = HiddenDecodingForCausalLM(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def checked_tensors(
+    src: Path, tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass (name, tensor) pairs through in `dtype` after checking each against `shapes`; raise
+    ValueError naming shape mismatches, duplicates, unused source tensors and missing tensors."""
+    filled: set[str] = set()
+    unused: list[str] = []
+    for name, tensor in tensors:
+        if name not in shapes:
+            unused.append(name)
+            continue
+        if name in filled:
+            raise ValueError(f"{src}: tensor {name!r} appears twice in the source")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{src}: shape mismatch for {name!r}: the source has {tuple(tensor.shape)}, "
+                f"the Hidden Decoding config needs {shapes[name]} (does config.json match the weights?)"
+            )
+        filled.add(name)
+        yield name, tensor.to(dtype)
+    missing = sorted(set(shapes) - filled)
+    if missing or unused:
+        raise ValueError(
+            f"{src}: tensors missing from the source: {missing}; unused source tensors: {unused}"
+        )
+
+
+def replicated_tensors(
+    src: Path, model_type: str, num_streams: int, tied_source: bool, allow_pickle: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) for every source tensor, with the embedding replicated into `num_streams`
+    tables; a tied source's head is written as a copy of its embedding (a stored copy is dropped)."""
+    for key, tensor in iter_source_tensors(src, allow_pickle=allow_pickle):
+        for name, value in plain_tensors(key, tensor, model_type):
+            if tied_source and name == HEAD:
+                continue
+            if name == EMBEDDING:
+                if tied_source:
+                    yield HEAD, value
+                # (V, D) -> (V, n·D): row v = [E(v) | E(v) | ... ], stream k at columns k·D:(k+1)·D.
+                value = value.repeat(1, num_streams)
+            yield name, value
+
+
+def convert_to_hidden_decoding(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    num_streams: int,
+    stream_attention_layout: str | Sequence[str] | None = None,
+    cross_every: int = 4,
+    intra_stream_positions: str = "expanded",
+    stream_kv: str = "per_stream",
+    sliding_window: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "2GB",
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    base_model: str | None = None,
+) -> Path:
+    """Convert the source checkpoint folder `src` into a Hidden Decoding checkpoint folder `dst`
+    with `num_streams` streams; returns `dst`.
+
+    `stream_attention_layout` is a list of kinds or a pattern (`parse_stream_layout`); None derives it
+    from the source (`default_stream_layout` with `cross_every`). `sliding_window` (expanded positions)
+    defaults to the source's window × num_streams. `dtype` defaults to the source's; `base_model` names
+    the source in the model card (default: the `src` path). Raises ValueError, with `dst` left untouched,
+    for an unsupported model_type, a bad option, missing/corrupt shards, shape mismatches, `.bin` weights
+    without `allow_pickle=True`, or an existing non-empty `dst` without `overwrite=True`.
+    """
+    src = Path(src)
+    dst = check_destination(dst, overwrite)
+    parse_size(max_shard_size)
+    source_config = read_source_config(src)
+    config = hidden_decoding_config_from_source(
+        source_config,
+        num_streams=num_streams,
+        stream_attention_layout=stream_attention_layout,
+        cross_every=cross_every,
+        intra_stream_positions=intra_stream_positions,
+        stream_kv=stream_kv,
+        sliding_window=sliding_window,
+    )
+    dtype = resolve_dtype(dtype, source_config)
+    check_safetensors_files(src)
+    shapes = expected_shapes(config)
+    tied_source = bool(getattr(source_config, "tie_word_embeddings", False))
+    source = replicated_tensors(src, source_config.model_type, num_streams, tied_source, allow_pickle)
+    options = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    options.update(base_model=base_model or str(src))
+    options["settings"] = {"source_model_type": source_config.model_type, **_settings(config, dtype)}
+    return _write(src, dst, config, checked_tensors(src, source, shapes, dtype), len(shapes), options)
+
+
+def read_hidden_decoding_config(src: Path):
+    """The HiddenDecodingConfig of an HD checkpoint folder, after checking its model_type."""
+    from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig
+
+    path = src / "config.json"
+    if not path.is_file():
+        raise ValueError(f"folder={str(src)!r} has no config.json")
+    model_type = json.loads(path.read_text()).get("model_type")
+    if model_type != HIDDEN_DECODING_TYPE:
+        raise ValueError(
+            f"model_type={model_type!r} in {path}: expand needs a Hidden Decoding checkpoint "
+            f"(model_type={HIDDEN_DECODING_TYPE!r}); convert a source with "
+            "`hf-concept convert hidden-decoding` first"
+        )
+    return HiddenDecodingConfig.from_pretrained(str(src))
+
+
+def expanded_config(config, num_streams: int):
+    """`config` with `num_streams` streams (a multiple of the current count) and the window scaled."""
+    from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig
+
+    _check_positive_int("num_streams", num_streams)
+    current = config.num_streams
+    if num_streams % current != 0:
+        raise ValueError(
+            f"num_streams={num_streams} must be a multiple of the checkpoint's num_streams={current} "
+            "(cyclic replication copies whole groups of tables)"
+        )
+    factor = num_streams // current
+    fields = config.to_dict()
+    for key in (*_FILE_KEYS, "layer_types", "_name_or_path"):
+        fields.pop(key, None)
+    fields["num_streams"] = num_streams
+    if fields.get("sliding_window") is not None:
+        fields["sliding_window"] = fields["sliding_window"] * factor
+    return HiddenDecodingConfig(**fields)
+
+
+def cyclic_tables(embedding: torch.Tensor, num_streams: int, new_num_streams: int) -> torch.Tensor:
+    """(V, n·D) tables (E_1..E_n) -> (V, m·D) tables (E_1..E_n, E_1..E_n, ...), eq. 5."""
+    vocab, width = embedding.shape
+    width //= num_streams
+    tables = embedding.reshape(vocab, num_streams, width)  # (V, n, D)
+    return tables.repeat(1, new_num_streams // num_streams, 1).reshape(vocab, new_num_streams * width)
+
+
+def _expanded_tensors(src: Path, config, num_streams: int, allow_pickle: bool):
+    """The HD checkpoint's tensors with the embedding grown to `num_streams` tables."""
+    expected = (config.vocab_size, config.num_streams * config.hidden_size)
+    for name, tensor in iter_source_tensors(src, allow_pickle=allow_pickle):
+        if name == EMBEDDING:
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"{src}: shape mismatch for {name!r}: the checkpoint has {tuple(tensor.shape)}, "
+                    f"its config (num_streams={config.num_streams}) needs {expected}"
+                )
+            tensor = cyclic_tables(tensor, config.num_streams, num_streams)
+        yield name, tensor
+
+
+def expand_hidden_decoding(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    num_streams: int,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "2GB",
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    base_model: str | None = None,
+) -> Path:
+    """Grow the Hidden Decoding checkpoint `src` to `num_streams` streams (a multiple of its own count)
+    by cyclic replication of the embedding tables, writing `dst`; returns `dst`.
+
+    `sliding_window` is scaled by the growth factor; every other tensor and setting is copied. `dtype`
+    defaults to the checkpoint's. Raises ValueError, with `dst` left untouched, for a folder that is not
+    a Hidden Decoding checkpoint, a `num_streams` that is not a multiple, missing/corrupt shards, or an
+    existing non-empty `dst` without `overwrite=True`.
+    """
+    src = Path(src)
+    dst = check_destination(dst, overwrite)
+    parse_size(max_shard_size)
+    old_config = read_hidden_decoding_config(src)
+    config = expanded_config(old_config, num_streams)
+    dtype = resolve_dtype(dtype, old_config)
+    check_safetensors_files(src)
+    shapes = expected_shapes(config)
+    source = _expanded_tensors(src, old_config, num_streams, allow_pickle)
+    options = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    options.update(base_model=base_model or str(src))
+    options["settings"] = {"expanded_from_num_streams": old_config.num_streams, **_settings(config, dtype)}
+    return _write(src, dst, config, checked_tensors(src, source, shapes, dtype), len(shapes), options)
+
+
+def _write(src: Path, dst: Path, config, tensors: Iterator, total: int, options: dict[str, Any]) -> Path:
+    """Shards, config with remote code, side files and model card, into `dst` atomically.
+
+    `options`: dtype, max_shard_size, overwrite, base_model and the card's `settings`."""
+    HiddenDecodingModel, HiddenDecodingForCausalLM = _model_classes()
+    template = MODEL_CARD_TEMPLATE.read_text()
+    with atomic_folder(dst, overwrite=options["overwrite"]) as folder:
+        write_tensors(folder, tensors, options["max_shard_size"], total=total, description="convert")
+        config.dtype = options["dtype"]
+        config.architectures = [HiddenDecodingForCausalLM.__name__]
+        model_classes = {"AutoModel": HiddenDecodingModel, "AutoModelForCausalLM": HiddenDecodingForCausalLM}
+        write_config_with_remote_code(folder, config, model_classes)
+        copy_side_files(src, folder)
+        card_data = dict(
+            library_name="transformers",
+            pipeline_tag="text-generation",
+            base_model=options["base_model"],
+            tags=["custom_code", "hidden_decoding", "hf_concept"],
+            hidden_decoding=options["settings"],
+        )
+        write_model_card(
+            folder,
+            template,
+            card_data,
+            base_model=options["base_model"],
+            settings=options["settings"],
+            layout=config.stream_attention_layout,
+        )
+    return dst
+
+
+def _settings(config, dtype: torch.dtype) -> dict[str, Any]:
+    """The architecture settings the model card lists (and its metadata carries)."""
+    layout = list(config.stream_attention_layout)
+    return {
+        "num_streams": config.num_streams,
+        "stream_attention_layout": compact_layout(layout),
+        "cross_stream_layers": sum(kind != "intra" for kind in layout),
+        "sliding_window": config.sliding_window,
+        "intra_stream_positions": config.intra_stream_positions,
+        "stream_kv": config.stream_kv,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_experts": config.num_experts,
+        "dtype": str(dtype).removeprefix("torch."),
+    }

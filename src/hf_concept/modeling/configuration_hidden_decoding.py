@@ -1,0 +1,132 @@
+"""Configuration of the Hidden Decoding family (model_type "hidden_decoding").
+
+Every backbone field is the plain family's (same names, same meaning, same checks). The Hidden Decoding
+fields (HD paper §2, DESIGN §4):
+- `num_streams` (n): each token enters the backbone as n streams with their own embedding tables.
+- `stream_attention_layout`: per layer, "intra" (each stream attends to its own stream only), "local"
+  (causal sliding window of `sliding_window` expanded positions over the interleaved sequence) or "full"
+  (causal over all n·L expanded positions). `layer_types` is derived from it ("sliding_attention" for
+  local layers), so the shared attention code picks the window up unchanged.
+- `intra_stream_positions`: RoPE positions inside intra layers, "expanded" (p·n + k, the paper) or
+  "token" (p, one position per token).
+- `stream_kv`: "per_stream" (each stream keeps its own keys and values in intra layers) or "shared"
+  (the §5.2 ablation: intra layers keep only the final stream's keys and values as context).
+
+`check_fields` raises `ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .configuration_plain import PlainDecoderConfig, _is_int
+
+STREAM_ATTENTION_KINDS = ("intra", "local", "full")
+INTRA_STREAM_POSITIONS = ("expanded", "token")
+STREAM_KV_KINDS = ("per_stream", "shared")
+# The paper's default density of cross-stream layers (Appendix H: one cross-stream layer in four).
+DEFAULT_CROSS_EVERY = 4
+
+
+def default_stream_layout(
+    num_hidden_layers: int,
+    cross_every: int = DEFAULT_CROSS_EVERY,
+    source_layer_types: list[str] | None = None,
+) -> list[str]:
+    """Per-layer stream attention: a source's sliding-window layers become "local" (HD §2.2 reuses them
+    as the cross-stream layers); among the others, layer i is "full" when i % cross_every ==
+    cross_every - 1 and "intra" otherwise (so cross_every=1 makes every layer cross-stream)."""
+    if not (_is_int(cross_every) and cross_every >= 1):
+        raise ValueError(f"cross_every={cross_every!r} must be a positive integer")
+    if source_layer_types is not None and len(source_layer_types) != num_hidden_layers:
+        raise ValueError(
+            f"source_layer_types has {len(source_layer_types)} entries, expected {num_hidden_layers}"
+        )
+    layout = []
+    for index in range(num_hidden_layers):
+        if source_layer_types is not None and source_layer_types[index] == "sliding_attention":
+            layout.append("local")
+        else:
+            layout.append("full" if index % cross_every == cross_every - 1 else "intra")
+    return layout
+
+
+def layer_types_of_layout(layout: list[str]) -> list[str]:
+    return ["sliding_attention" if kind == "local" else "full_attention" for kind in layout]
+
+
+class HiddenDecodingConfig(PlainDecoderConfig):
+    """Config of `HiddenDecodingForCausalLM`: a plain backbone run over n interleaved streams per token.
+
+    `sliding_window` counts expanded positions (n per token) and is required when a layer is "local".
+    """
+
+    model_type = "hidden_decoding"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "hidden_states", "stream_states"]
+
+    num_streams: int = 2
+    stream_attention_layout: list[str] | None = None
+    intra_stream_positions: str = "expanded"
+    stream_kv: str = "per_stream"
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if isinstance(self.stream_attention_layout, tuple):
+            self.stream_attention_layout = list(self.stream_attention_layout)
+        if self.stream_attention_layout is None and _is_int(self.num_hidden_layers):
+            self.stream_attention_layout = default_stream_layout(self.num_hidden_layers)
+        layout = self.stream_attention_layout
+        if isinstance(layout, list) and all(kind in STREAM_ATTENTION_KINDS for kind in layout):
+            derived = layer_types_of_layout(layout)
+            if self.layer_types is not None and list(self.layer_types) != derived:
+                raise ValueError(
+                    f"layer_types={self.layer_types!r} conflicts with stream_attention_layout={layout!r}; "
+                    "leave layer_types unset, it follows the layout"
+                )
+            self.layer_types = derived
+        # The parent merges this with any saved auto_map and keeps our AutoModel entry.
+        auto_map = {"AutoModel": "modeling_hidden_decoding.HiddenDecodingModel"}
+        auto_map.update(kwargs.pop("auto_map", None) or {})
+        kwargs["auto_map"] = auto_map
+        super().__post_init__(**kwargs)
+
+    def check_fields(self) -> None:
+        """Raise ValueError naming the first invalid field and its value."""
+        streams = self.num_streams
+        if not (_is_int(streams) and streams >= 1):
+            raise ValueError(f"num_streams={streams!r} must be a positive integer")
+        layout = self.stream_attention_layout
+        if not isinstance(layout, list) or len(layout) != self.num_hidden_layers:
+            raise ValueError(
+                f"stream_attention_layout={layout!r} must list one of {STREAM_ATTENTION_KINDS} for each of "
+                f"num_hidden_layers={self.num_hidden_layers} layers"
+            )
+        unknown = sorted({str(kind) for kind in layout if kind not in STREAM_ATTENTION_KINDS})
+        if unknown:
+            raise ValueError(
+                f"stream_attention_layout={layout!r} has {unknown}; allowed: {STREAM_ATTENTION_KINDS}"
+            )
+        if "local" in layout and self.sliding_window is None:
+            raise ValueError(
+                f"sliding_window=None but stream_attention_layout={layout!r} has local layers; set the "
+                "window in expanded positions"
+            )
+        if self.intra_stream_positions not in INTRA_STREAM_POSITIONS:
+            raise ValueError(
+                f"intra_stream_positions={self.intra_stream_positions!r} must be one of "
+                f"{INTRA_STREAM_POSITIONS}"
+            )
+        if self.stream_kv not in STREAM_KV_KINDS:
+            raise ValueError(f"stream_kv={self.stream_kv!r} must be one of {STREAM_KV_KINDS}")
+        if self.tie_word_embeddings and streams > 1:
+            raise ValueError(
+                f"tie_word_embeddings=True cannot hold with num_streams={streams}: the n embedding tables "
+                "share one LM head that is tied to none of them"
+            )
+        super().check_fields()
+
+    @property
+    def stream_layer_kinds(self) -> set[str]:
+        return set(self.stream_attention_layout)
+
+
+HiddenDecodingConfig.register_for_auto_class()

@@ -1,0 +1,64 @@
+"""`ForwardOnlyCache`: the rules shared by caches whose per-row state cannot be rolled back.
+
+`generate` may ask a cache to `crop` (assisted decoding, the one-step-late stop check on MPS); the concept
+and stream caches keep state that is not stored per token (open chunks, rolling windows), so they declare
+`is_croppable = False` and refuse every crop but the no-op one, naming what they cannot undo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers.cache_utils import Cache, StaticCache
+
+
+class ForwardOnlyCache(Cache):
+    """A `Cache` that only grows; subclasses say why in `rollback_reason`."""
+
+    rollback_reason = "its state is not kept per token"
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                f"tokens_to_remove={tokens_to_remove}: {type(self).__name__} cannot roll back "
+                f"({self.rollback_reason})"
+            )
+
+    def layer_bytes(self) -> int:
+        """Bytes of the keys and values stored in `self.layers`."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                total += sum(tensor.numel() * tensor.element_size() for tensor in (layer.keys, layer.values))
+        return total
+
+
+def adopt_cache(
+    past_key_values: Cache | None,
+    own_type: type[Cache],
+    new_cache: Callable[[], Cache],
+    create: bool,
+    family: str,
+) -> Cache | None:
+    """The family's own cache: `past_key_values` if it is one; a new one for None (when `create`) or for
+    an empty foreign cache (generate's default `DynamicCache`); anything else refused by name."""
+    if isinstance(past_key_values, own_type):
+        return past_key_values
+    if past_key_values is None:
+        return new_cache() if create else None
+    own = own_type.__name__
+    if not isinstance(past_key_values, Cache) or isinstance(past_key_values, StaticCache):
+        raise ValueError(
+            f"past_key_values of type {type(past_key_values).__name__} is not supported: {family} decodes "
+            f"with a {own} (model.model.new_cache(), or leave it to generate())"
+        )
+    if past_key_values.get_seq_length() > 0:
+        raise ValueError(
+            f"past_key_values is a filled {type(past_key_values).__name__}; {family} can only continue "
+            f"from a {own}"
+        )
+    return new_cache()

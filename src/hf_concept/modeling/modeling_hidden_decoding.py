@@ -1,0 +1,428 @@
+"""The Hidden Decoding family: every token runs through the backbone as n streams (HD paper, DESIGN §4).
+
+Legend: B batch, L tokens (this call), T cached tokens, S streams (the paper's n), D width, V vocabulary,
+H query heads, G key/value heads, K head dim.
+
+Pipeline: n embedding tables (one `nn.Embedding` of width S·D: row v = [E_1(v) | … | E_S(v)]) -> the
+expanded sequence, token i's stream k at expanded position i·S + k -> `DecoderLayer` x N, each with a
+stream attention kind -> final norm -> shared LM head on the final stream of each token.
+
+Stream attention kinds (config `stream_attention_layout`):
+- "intra": each stream attends to earlier positions of its own stream (eq. 4). Run by folding the
+  streams into the batch, (B·S, L, D): cost S·L², never an S²L² mask. RoPE positions are p·S + k
+  ("expanded", the paper) or p ("token"). With `stream_kv="shared"` (§5.2 ablation) a stream instead
+  attends to the final stream's keys of earlier tokens plus its own key at the current token.
+- "local": causal sliding window of `sliding_window` expanded positions over the interleaved sequence.
+- "full": causal over the S·L interleaved positions.
+
+Contract:
+- Inputs and outputs are per token: input_ids (B, L), attention_mask (B, T + L), position_ids (B or 1, L),
+  labels (B, L), logits (B, L, V) from each token's final stream. Expansion is internal.
+- Causality: stream k of token i reads only streams of tokens < i and streams < = k of token i (intra:
+  only its own stream), all within its document (packed rows: position ids restart at 0), real tokens
+  only (left padding through `attention_mask`).
+- With S = 1 every kind is plain causal attention: the model computes the plain family's logits.
+- The forward is the incremental step over a `StreamCache`: tokens [0, n) then [n, m) equal [0, m).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+
+from .configuration_hidden_decoding import HiddenDecodingConfig
+from .forward_only_cache import adopt_cache
+from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary, repeat_kv
+from .modeling_plain import CausalLMMixin, default_position_ids, init_backbone_weights
+from .stream_cache import StreamCache
+from .streams import expand_attention_mask, expand_position_ids
+
+# Model-internal states, per stream: (B, S, L, D) "stream-major". Intra layers see it as (B·S, L, D);
+# local/full layers as the interleaved (B, L·S, D).
+
+
+def fold_streams(stream_states: torch.Tensor) -> torch.Tensor:
+    """(B, S, L, D) -> (B·S, L, D): each stream becomes a row of the batch (a free view)."""
+    batch, streams, length, width = stream_states.shape
+    return stream_states.reshape(batch * streams, length, width)
+
+
+def interleave(stream_states: torch.Tensor) -> torch.Tensor:
+    """(B, S, L, D) -> (B, L·S, D), token i's stream k at i·S + k."""
+    batch, streams, length, width = stream_states.shape
+    return stream_states.transpose(1, 2).reshape(batch, length * streams, width)
+
+
+def deinterleave(expanded_states: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """(B, L·S, D) -> (B, S, L, D), the inverse of `interleave`."""
+    batch, expanded_length, width = expanded_states.shape
+    length = expanded_length // num_streams
+    return expanded_states.view(batch, length, num_streams, width).transpose(1, 2).contiguous()
+
+
+def stream_positions(position_ids: torch.Tensor, num_streams: int, kind: str) -> torch.Tensor:
+    """(B·S, L) RoPE positions of the folded streams from (B, L) token positions p: p·S + k or p."""
+    batch, length = position_ids.shape
+    if kind == "token":
+        return position_ids.repeat_interleave(num_streams, dim=0)
+    streams = torch.arange(num_streams, device=position_ids.device)
+    # (B, S, L)
+    expanded = position_ids[:, None, :] * num_streams + streams[None, :, None]
+    return expanded.reshape(batch * num_streams, length)
+
+
+class SharedKVAttention(Attention):
+    """Intra-stream attention with one shared key/value history (HD §5.2, the "shared KV" control).
+
+    Stream k of token i attends to the final stream's keys/values of the earlier tokens of its document
+    plus its own key/value at token i; the final stream therefore sees exactly what per-stream intra
+    attention gives it. Only the final stream's keys/values are cached. Same parameters as `Attention`.
+    Computed with explicit products (no fused kernel): an ablation path, O(S·L·(T + L)) scores.
+    """
+
+    num_streams: int = 1
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        past_key_values=None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """(B·S, L, D) folded states -> (B·S, L, D); `attention_mask` is boolean (B, 1, L, T + L)."""
+        streams = self.num_streams
+        query, key, value = self.project(hidden_states)
+        query, key = apply_rotary(query, key, *position_embeddings)
+        batch = query.shape[0] // streams
+        length = query.shape[2]
+        # (B, S, H, L, K) and (B, S, G, L, K)
+        query = query.view(batch, streams, *query.shape[1:])
+        key, value = key.view(batch, streams, *key.shape[1:]), value.view(batch, streams, *value.shape[1:])
+        history_keys, history_values = key[:, -1], value[:, -1]
+        if past_key_values is not None:
+            # (B, G, T + L, K)
+            history_keys, history_values = past_key_values.update(
+                history_keys, history_values, self.layer_idx
+            )
+        groups = self.num_key_value_groups
+        history_keys, history_values = repeat_kv(history_keys, groups), repeat_kv(history_values, groups)
+        own_keys = key.repeat_interleave(groups, dim=2)
+        own_values = value.repeat_interleave(groups, dim=2)
+        # (B, S, H, L, T + L): earlier tokens only; the current token enters through its own key.
+        scores = torch.einsum("bshlk,bhmk->bshlm", query, history_keys).float() * self.scaling
+        past_length = history_keys.shape[2] - length
+        current = torch.arange(length, device=query.device) + past_length
+        earlier = attention_mask & (
+            torch.arange(history_keys.shape[2], device=query.device) != current[:, None]
+        )
+        scores = scores.masked_fill(~earlier[:, None], torch.finfo(scores.dtype).min)
+        own_scores = (query * own_keys).sum(-1, keepdim=True).float() * self.scaling  # (B, S, H, L, 1)
+        weights = torch.softmax(torch.cat([scores, own_scores], dim=-1), dim=-1).to(query.dtype)
+        weights = nn.functional.dropout(weights, p=self.attention_dropout, training=self.training)
+        output = torch.einsum("bshlm,bhmk->bshlk", weights[..., :-1], history_values)
+        output = output + weights[..., -1:] * own_values
+        # (B·S, L, H·K)
+        output = output.transpose(2, 3).reshape(batch * streams, length, -1)
+        return self.o_proj(output), None
+
+
+class StreamDecoderLayer(DecoderLayer):
+    """`DecoderLayer` with its stream attention kind; shared-KV intra layers swap in `SharedKVAttention`."""
+
+    def __init__(self, config: HiddenDecodingConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.stream_kind = config.stream_attention_layout[layer_idx]
+        if self.stream_kind == "intra" and config.stream_kv == "shared":
+            self.self_attn = SharedKVAttention(config, layer_idx)
+            self.self_attn.num_streams = config.num_streams
+
+
+class HiddenDecodingPreTrainedModel(PreTrainedModel):
+    """Shared class attributes and weight initialisation of the Hidden Decoding family."""
+
+    config_class = HiddenDecodingConfig
+    config: HiddenDecodingConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules: ClassVar[list[str]] = ["StreamDecoderLayer"]
+    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    # The flash path would need per-kind position ids and cu_seqlens; it has never run here (no GPU).
+    _supports_flash_attn = False
+    _supports_sdpa = True
+    _supports_attention_backend = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        init_backbone_weights(module, self.config.initializer_range)
+
+
+@dataclass
+class StreamMasks:
+    """One attention mask per stream attention kind, in the form the current kernel wants."""
+
+    intra: Any = None
+    local: Any = None
+    full: Any = None
+
+
+@dataclass
+class StreamPositions:
+    """Position ids and RoPE tables of the two views: interleaved (B, L·S) and folded streams (B·S, L)."""
+
+    expanded_ids: torch.Tensor
+    expanded_rope: tuple[torch.Tensor, torch.Tensor] | None
+    folded_ids: torch.Tensor
+    folded_rope: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class HiddenDecodingModelOutput(MoeModelOutputWithPast):
+    """`last_hidden_state` (B, L, D) is the final stream of each token, normed; `stream_states`
+    (B, S, L, D) all streams, normed (only with `output_stream_states=True`)."""
+
+    stream_states: torch.Tensor | None = None
+
+
+@dataclass
+class HiddenDecodingCausalLMOutput(MoeCausalLMOutputWithPast):
+    """Causal-LM output plus `stream_states` (B, S, L, D), normed, for stream probes."""
+
+    stream_states: torch.Tensor | None = None
+
+
+class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
+    """Backbone over n streams per token: (B, L) ids -> (B, L, D) final-stream states (normed)."""
+
+    def __init__(self, config: HiddenDecodingConfig) -> None:
+        super().__init__(config)
+        config.check_fields()
+        self.num_streams = config.num_streams
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        # Row v holds the S stream embeddings of token v side by side: [E_1(v) | ... | E_S(v)].
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.num_streams * config.hidden_size, self.padding_idx
+        )
+        self.layers = nn.ModuleList(
+            StreamDecoderLayer(config, index) for index in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding.from_config(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def new_cache(self) -> StreamCache:
+        """An empty `StreamCache` shaped for this model's layout."""
+        config = self.config
+        return StreamCache(
+            config.stream_attention_layout, config.num_streams, config.sliding_window, config.stream_kv
+        )
+
+    def _stream_cache(self, past_key_values: Cache | None, use_cache: bool) -> StreamCache | None:
+        """Ours as is; an empty foreign cache (generate's DynamicCache) replaced; anything else refused."""
+        create = use_cache and not self.training
+        return adopt_cache(past_key_values, StreamCache, self.new_cache, create, "Hidden Decoding")
+
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """(B, S, L, D) stream embeddings from (B, L) ids or (B, L, S·D) concatenated embeddings."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        streams, width = self.num_streams, self.config.hidden_size
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != streams * width:
+            raise ValueError(
+                f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; expected (B, L, num_streams * "
+                f"hidden_size = {streams * width}), the streams' embeddings side by side"
+            )
+        batch, length, _ = inputs_embeds.shape
+        return inputs_embeds.view(batch, length, streams, width).transpose(1, 2).contiguous()
+
+    def stream_positions(self, stream_states: torch.Tensor, position_ids: torch.Tensor) -> StreamPositions:
+        """Expanded ids p·S + k for the interleaved view; folded ids (RoPE per config) for intra layers."""
+        kinds = set(self.config.stream_attention_layout)
+        streams = self.num_streams
+        expanded_ids = expand_position_ids(position_ids, streams)
+        folded_ids = stream_positions(position_ids, streams, self.config.intra_stream_positions)
+        expanded_rope = self.rotary_emb(stream_states, expanded_ids) if kinds & {"local", "full"} else None
+        folded_rope = self.rotary_emb(stream_states, folded_ids) if "intra" in kinds else None
+        return StreamPositions(expanded_ids, expanded_rope, folded_ids, folded_rope)
+
+    def stream_masks(
+        self,
+        stream_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: StreamCache | None,
+        position_ids: torch.Tensor,
+    ) -> StreamMasks:
+        """Masks per kind, sized from the cache layer they serve (built before the cache is updated)."""
+        config, streams = self.config, self.num_streams
+        layout = config.stream_attention_layout
+        batch, _, length, _ = stream_states.shape
+        if attention_mask is None and cache is not None and cache.get_seq_length() == 0:
+            # An empty cache sizes the mask like no cache, but its presence would stop masking_utils from
+            # detecting packed documents in `position_ids`.
+            cache = None
+
+        def probe(rows: int, positions: int) -> torch.Tensor:
+            # masking_utils reads only the batch size, query length, dtype and device of inputs_embeds.
+            return stream_states.new_empty(rows, positions, 0)
+
+        masks = StreamMasks()
+        if "full" in layout or "local" in layout:
+            common = dict(
+                config=config,
+                inputs_embeds=probe(batch, length * streams),
+                attention_mask=None
+                if attention_mask is None
+                else expand_attention_mask(attention_mask, streams),
+                past_key_values=cache,
+                position_ids=expand_position_ids(position_ids, streams),
+            )
+            if "full" in layout:
+                masks.full = create_causal_mask(**common, layer_idx=layout.index("full"))
+            if "local" in layout:
+                masks.local = create_sliding_window_causal_mask(**common, layer_idx=layout.index("local"))
+        if "intra" in layout:
+            common = dict(past_key_values=cache, layer_idx=layout.index("intra"))
+            if config.stream_kv == "shared":
+                # SharedKVAttention computes its scores itself and wants a boolean (B, 1, L, T + L) mask.
+                masks.intra = create_causal_mask(
+                    config=SimpleNamespace(_attn_implementation="sdpa"),
+                    inputs_embeds=probe(batch, length),
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    allow_is_causal_skip=False,
+                    **common,
+                )
+            else:
+                masks.intra = create_causal_mask(
+                    config=config,
+                    inputs_embeds=probe(batch * streams, length),
+                    attention_mask=None
+                    if attention_mask is None
+                    else attention_mask.repeat_interleave(streams, 0),
+                    position_ids=position_ids.repeat_interleave(streams, 0),
+                    **common,
+                )
+        return masks
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        output_stream_states: bool = False,
+        **kwargs: Any,
+    ) -> HiddenDecodingModelOutput | tuple:
+        return_dict = kwargs.pop("return_dict", None)
+        kwargs.pop("output_attentions", None)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
+        batch, _, length, _ = stream_states.shape
+        if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.dim() != 2):
+            raise ValueError("attention_mask must be a 2-D (batch, tokens) tensor for Hidden Decoding")
+        cache = self._stream_cache(past_key_values, use_cache)
+        if position_ids is None:
+            past_length = cache.get_seq_length() if cache is not None else 0
+            position_ids = default_position_ids(attention_mask, length, past_length, stream_states.device)
+        position_ids = position_ids.expand(batch, -1)
+        masks = self.stream_masks(stream_states, attention_mask, cache, position_ids)
+        positions = self.stream_positions(stream_states, position_ids)
+        stream_states, all_states, all_router_logits = self.run_layers(
+            stream_states, masks, positions, cache, **kwargs
+        )
+        keep_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        keep_routers = (
+            self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
+        final_states = self.norm(stream_states[:, -1])
+        all_states[-1] = final_states
+        output = HiddenDecodingModelOutput(
+            last_hidden_state=final_states,
+            past_key_values=cache,
+            hidden_states=tuple(all_states) if keep_states else None,
+            router_logits=tuple(all_router_logits) if keep_routers and all_router_logits else None,
+            stream_states=self.norm(stream_states) if output_stream_states else None,
+        )
+        return output.to_tuple() if return_dict is False else output
+
+    def run_layers(
+        self,
+        stream_states: torch.Tensor,
+        masks: StreamMasks,
+        positions: StreamPositions,
+        cache: StreamCache | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """(B, S, L, D) after every layer, the final stream's (B, L, D) input of each layer, and each
+        sparse layer's (N, E) router logits (N = B·S·L)."""
+        streams = self.num_streams
+        all_states, all_router_logits = [stream_states[:, -1]], []
+        for layer in self.layers:
+            if layer.stream_kind == "intra":
+                shape = stream_states.shape
+                output, router_logits = layer(
+                    fold_streams(stream_states),
+                    attention_mask=masks.intra,
+                    position_embeddings=positions.folded_rope,
+                    past_key_values=cache,
+                    position_ids=positions.folded_ids,
+                    **kwargs,
+                )
+                stream_states = output.view(shape)
+            else:
+                output, router_logits = layer(
+                    interleave(stream_states),
+                    attention_mask=masks.local if layer.stream_kind == "local" else masks.full,
+                    position_embeddings=positions.expanded_rope,
+                    past_key_values=cache,
+                    position_ids=positions.expanded_ids,
+                    **kwargs,
+                )
+                stream_states = deinterleave(output, streams)
+            all_states.append(stream_states[:, -1])
+            if router_logits is not None:
+                all_router_logits.append(router_logits)
+        return stream_states, all_states, all_router_logits
+
+
+class HiddenDecodingForCausalLM(CausalLMMixin, HiddenDecodingPreTrainedModel, GenerationMixin):
+    """Causal LM: (B, L) ids -> (B, L, V) next-token logits from each token's final stream.
+
+    `labels` (B, L) are per token, as for any causal LM: the shifted cross-entropy (`self.loss_function`,
+    so Trainer's `num_items_in_batch` applies) is taken on the final streams only (HD eq. 2); the other
+    streams get no direct loss. `output_stream_states=True` also returns every stream's normed states.
+    """
+
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+    output_class = HiddenDecodingCausalLMOutput
+    extra_output_fields = ("stream_states",)
+
+    def __init__(self, config: HiddenDecodingConfig) -> None:
+        super().__init__(config)
+        self.model = HiddenDecodingModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+HiddenDecodingModel.register_for_auto_class("AutoModel")
+HiddenDecodingForCausalLM.register_for_auto_class("AutoModelForCausalLM")
