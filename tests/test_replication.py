@@ -77,6 +77,22 @@ def test_replicated_and_counted_agree_in_float32():
     torch.testing.assert_close(forms["replicated"], forms["counted"], rtol=0, atol=1e-5)
 
 
+def test_causal_kernel_shortcut_equals_the_masked_form_on_one_unpadded_document():
+    """`plain_causal=True` (no mask, SDPA's causal kernel) gives the reference's outputs and gradients."""
+    case = make_case([(0, [37])], num_heads=4, kv_heads=2, head_dim=8, seed=3)
+    assert case[4].all() and not case[5][:, 1:].any()
+    fast = [t.clone().requires_grad_(True) for t in case[:3]]
+    slow = [t.clone().requires_grad_(True) for t in case[:3]]
+    output = replicated_concept_attention(*fast, *case[3:], plain_causal=True)
+    expected = concept_attention_loop(*slow, *case[3:])
+    torch.testing.assert_close(output, expected, rtol=1e-10, atol=1e-10)
+    upstream = torch.randn_like(expected)
+    (output * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    for mine, theirs in zip(fast, slow, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-10)
+
+
 def test_replication_is_repeat_interleave_of_concepts():
     concept_k = torch.randn(1, 2, 3, 4)
     concept_v = torch.randn(1, 2, 3, 4)

@@ -17,6 +17,8 @@ COMMANDS = {
     "demo": "hf_concept.commands.demo",
     "convert": "hf_concept.commands.convert",
     "expand": "hf_concept.commands.expand",
+    "fit-scaling": "hf_concept.commands.fit_scaling",
+    "plan": "hf_concept.commands.plan",
 }
 
 

@@ -185,6 +185,48 @@ def _hidden_decoding_class() -> type:
     return HiddenDecodingForCausalLM
 
 
+def _dlcm_config(**overrides: Any):
+    from hf_concept.modeling.configuration_dlcm import DLCMConfig
+
+    values = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        # A wider concept stage with its own heads, and a cross-attention head dim of its own.
+        concept_hidden_size=48,
+        concept_num_attention_heads=6,
+        concept_num_key_value_heads=3,
+        cross_num_attention_heads=4,
+        cross_num_key_value_heads=2,
+        cross_head_dim=12,
+        encoder_layers=1,
+        concept_layers=2,
+        decoder_layers=2,
+        compression_ratio=2.0,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    values.update(overrides)
+    return DLCMConfig(**values)
+
+
+def _dlcm_rule_mup_config(**overrides: Any):
+    values = dict(router="rule", rule_threshold=0.3, qk_norm=True, mup_base_width=16, ratio_scope="sequence")
+    values.update(overrides)
+    return _dlcm_config(**values)
+
+
+def _dlcm_class() -> type:
+    from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
+
+    return DLCMForCausalLM
+
+
 FAMILIES: list[FamilySpec] = [
     FamilySpec(
         name="plain",
@@ -235,5 +277,23 @@ FAMILIES: list[FamilySpec] = [
         model_class=_hidden_decoding_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
         invalid_values=(("stream_kv", "pooled"), ("sliding_window", None), ("tie_word_embeddings", True)),
+    ),
+    FamilySpec(
+        name="dlcm",
+        make_config=_dlcm_config,
+        model_class=_dlcm_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        invalid_values=(("router", "linear"), ("concept_layers", 0), ("cross_head_dim", 7)),
+        force_boundaries=_fixed_chunks,
+        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+    ),
+    FamilySpec(
+        name="dlcm-rule-mup",
+        make_config=_dlcm_rule_mup_config,
+        model_class=_dlcm_class,
+        lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        invalid_values=(("mup_base_width", 0), ("rule_threshold", 1.5), ("num_experts", 4)),
+        force_boundaries=_fixed_chunks,
+        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
     ),
 ]

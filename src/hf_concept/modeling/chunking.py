@@ -35,17 +35,19 @@ class IdentityInitLinear(nn.Linear):
 
 
 class Chunker(nn.Module):
-    """Router: cosine (q_proj, k_proj: D -> D) or linear (score: D -> 1)."""
+    """Router: cosine (q_proj, k_proj: D -> D), linear (score: D -> 1) or rule (DLCM §8.1: the cosine
+    of the token states themselves, no parameters)."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.kind = config.router
         width = config.hidden_size
         if self.kind == "cosine":
-            linear_class = IdentityInitLinear if config.router_init == "identity" else nn.Linear
+            init_kind = getattr(config, "router_init", "random")
+            linear_class = IdentityInitLinear if init_kind == "identity" else nn.Linear
             self.q_proj = linear_class(width, width, bias=False)
             self.k_proj = linear_class(width, width, bias=False)
-        else:
+        elif self.kind == "linear":
             self.score = nn.Linear(width, 1, bias=True)
 
     def forward(
@@ -56,6 +58,10 @@ class Chunker(nn.Module):
         past_keys: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, L) float32 probabilities and the (B, L, Dk) router keys (None for the linear router)."""
+        if self.kind == "rule":
+            return cosine_boundary_probs(
+                token_states, token_states, starts, mask, past_keys=past_keys
+            ), token_states
         if self.kind == "cosine":
             queries, keys = self.q_proj(token_states), self.k_proj(token_states)
             return cosine_boundary_probs(queries, keys, starts, mask, past_keys=past_keys), keys

@@ -43,6 +43,11 @@ class ConceptState:
     last_ema (B, D), has_ema (B,): the EMA value of the row's latest concept.
     last_readable (B, D), has_readable (B,): the concept the row's last real token read.
     concept_count (B,): concepts emitted so far (for logging).
+    read_slot (B,), read_counts (B, N): DLCM's cross-attention — the slot the row's last real token
+    carried (-1: none yet; 0 is the null concept, slot j of the cache is j + 1) and, per slot, how many
+    positions of the row's current document carried it.
+    last_concept (B, Dc), last_concept_document (B,): DLCM's smoothing — the row's latest concept before
+    smoothing and its document (-1: none).
     """
 
     previous_key: torch.Tensor
@@ -58,10 +63,20 @@ class ConceptState:
     last_readable: torch.Tensor
     has_readable: torch.Tensor
     concept_count: torch.Tensor
+    read_slot: torch.Tensor
+    read_counts: torch.Tensor
+    last_concept: torch.Tensor
+    last_concept_document: torch.Tensor
 
     @classmethod
     def empty(
-        cls, batch_size: int, width: int, key_width: int, device: torch.device, dtype: torch.dtype
+        cls,
+        batch_size: int,
+        width: int,
+        key_width: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        concept_width: int | None = None,
     ) -> ConceptState:
         def zeros(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(*shape, device=device, dtype=kind)
@@ -84,6 +99,10 @@ class ConceptState:
             last_readable=zeros(batch_size, width),
             has_readable=flags(),
             concept_count=zeros(batch_size, kind=torch.long),
+            read_slot=torch.full((batch_size,), -1, device=device, dtype=torch.long),
+            read_counts=zeros(batch_size, 0, kind=torch.long),
+            last_concept=zeros(batch_size, width if concept_width is None else concept_width),
+            last_concept_document=torch.full((batch_size,), -1, device=device, dtype=torch.long),
         )
 
     def tensors(self) -> list[torch.Tensor]:

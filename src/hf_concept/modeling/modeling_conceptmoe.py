@@ -40,41 +40,31 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import ModelOutput
 
 from .chunking import (
     Chunker,
     EmittedConcepts,
     IdentityInitLinear,
-    concept_attention_mask,
     emit_concepts,
-    fixed_boundaries,
 )
 from .concept_cache import ConceptCache, ConceptState
+from .concept_stack import (
+    ConceptCausalLMMixin,
+    ConceptModelOutput,
+    ConceptStackMixin,
+    ConfigView,
+    new_concept_cache,
+)
 from .configuration_conceptmoe import ConceptMoEConfig
-from .forward_only_cache import adopt_cache
 from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
-from .modeling_plain import PlainDecoderModel, default_position_ids, init_backbone_weights, project_logits
-from .packing import document_starts, token_mask
+from .modeling_plain import init_backbone_weights
 from .pooling import gather_concepts_to_tokens
-from .routing import boundary_decisions, ratio_loss, scale_aux_loss, straight_through
+from .routing import straight_through
 from .scan import ema_scan
 
 
 class ZeroInitLinear(nn.Linear):
     """A projection initialised to zero (joint decoding), so it changes nothing at conversion."""
-
-
-class _WidthOverride:
-    """The model config seen with another `hidden_size` (a wider concept model); every other attribute,
-    `_attn_implementation` included, is read live from the model's config."""
-
-    def __init__(self, config: ConceptMoEConfig, hidden_size: int) -> None:
-        self._config = config
-        self.hidden_size = hidden_size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
 
 
 class JointAttention(Attention):
@@ -136,43 +126,6 @@ class JointDecoderLayer(DecoderLayer):
         )
 
 
-class _ConceptPassCache:
-    """What one concept pass's attention sees as `past_key_values`: appends to that pass's concept K/V."""
-
-    def __init__(self, cache: ConceptCache, pass_idx: int) -> None:
-        self.cache, self.pass_idx = cache, pass_idx
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        return self.cache.update_concepts(keys, values, self.pass_idx)
-
-
-@dataclass
-class ConceptMoEModelOutput(ModelOutput):
-    """Base-model output: final-normed token states plus what the losses and metrics need."""
-
-    last_hidden_state: torch.Tensor | None = None
-    past_key_values: Cache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    boundary_probs: torch.Tensor | None = None
-    boundaries: torch.Tensor | None = None
-    token_mask: torch.Tensor | None = None
-    document_starts: torch.Tensor | None = None
-
-
-@dataclass
-class ConceptMoECausalLMOutput(ModelOutput):
-    """Causal-LM output; the metric fields are detached (`compression_ratio` = real tokens per concept)."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    past_key_values: Cache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    lm_loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    compression_ratio: torch.Tensor | None = None
-    boundary_prob_mean: torch.Tensor | None = None
-
-
 @dataclass
 class _Step:
     """One call's concept-level results: per-token concepts, router outputs and the next state."""
@@ -208,8 +161,10 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
             init_backbone_weights(module, self.config.initializer_range)
 
 
-class ConceptMoEModel(ConceptMoEPreTrainedModel):
+class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
     """(B, L) ids -> (B, L, D) final-normed token states, through encoder, concepts and decoder."""
+
+    family_name = "ConceptMoE"
 
     def __init__(self, config: ConceptMoEConfig) -> None:
         super().__init__(config)
@@ -221,7 +176,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, width, self.padding_idx)
         self.encoder_layers = nn.ModuleList(DecoderLayer(config, index) for index in range(num_encoder))
         self.chunker = Chunker(config)
-        concept_config = config if concept_width == width else _WidthOverride(config, concept_width)
+        concept_config = config if concept_width == width else ConfigView(config, hidden_size=concept_width)
         if concept_width != width:
             self.concept_in_proj = nn.Linear(width, concept_width, bias=False)
             self.concept_out_proj = nn.Linear(concept_width, width, bias=False)
@@ -246,17 +201,10 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
     def new_cache(self) -> ConceptCache:
         """An empty `ConceptCache` sized for this model."""
         config = self.config
-        first_decoder = config.encoder_layers + config.num_concept_layers
-        token_layers = list(range(config.encoder_layers)) + list(
-            range(first_decoder, config.num_hidden_layers)
-        )
         passes = len(config.concept_layer_schedule())
-        return ConceptCache(config.num_hidden_layers, token_layers, passes)
-
-    def _concept_cache(self, past_key_values: Cache | None, use_cache: bool) -> ConceptCache | None:
-        """Ours as is; an empty foreign cache (generate's DynamicCache) replaced; anything else refused."""
-        create = use_cache and not self.training
-        return adopt_cache(past_key_values, ConceptCache, self.new_cache, create, "ConceptMoE")
+        return new_concept_cache(
+            config.num_hidden_layers, config.encoder_layers, config.decoder_layers, passes
+        )
 
     def forward(
         self,
@@ -268,33 +216,20 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         **kwargs: Any,
-    ) -> ConceptMoEModelOutput | tuple:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    ) -> ConceptModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
         kwargs.pop("output_attentions", None)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, L, D)
-        cache = self._concept_cache(past_key_values, use_cache)
-        past_length = cache.get_seq_length() if cache is not None else 0
-        position_ids, mask, starts = self._token_layout(
-            inputs_embeds, attention_mask, position_ids, past_length
+        step_in = self.begin_step(
+            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs
         )
-        # The token masks are the plain family's (same layer types, same packing and padding rules).
-        masks = PlainDecoderModel.attention_masks(self, inputs_embeds, attention_mask, cache, position_ids)
-        layer_kwargs = dict(
-            position_embeddings=self.rotary_emb(inputs_embeds, position_ids),
-            past_key_values=cache,
-            position_ids=position_ids,
-            **kwargs,
-        )
+        inputs_embeds, cache, position_ids = step_in.inputs_embeds, step_in.cache, step_in.position_ids
+        mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
         all_states = [inputs_embeds]
         token_states = self._run_token_layers(
             self.encoder_layers, inputs_embeds, masks, all_states, None, layer_kwargs
         )
         step = self.concept_step(
-            token_states, mask, starts, position_ids, self._state_of(cache, token_states), cache
+            token_states, mask, starts, position_ids, self.state_of(cache, token_states), cache
         )
         if cache is not None:
             cache.state = step.state
@@ -307,7 +242,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         keep_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
-        output = ConceptMoEModelOutput(
+        output = ConceptModelOutput(
             last_hidden_state=all_states[-1],
             past_key_values=cache,
             hidden_states=tuple(all_states) if keep_states else None,
@@ -317,28 +252,6 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             document_starts=starts,
         )
         return output.to_tuple() if return_dict is False else output
-
-    def _token_layout(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        past_length: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, L) position ids (counting real tokens, as the plain family), real-token mask, starts."""
-        batch_size, length = inputs_embeds.shape[:2]
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, length, past_length, inputs_embeds.device)
-        position_ids = position_ids.expand(batch_size, -1)  # (B, L)
-        mask = token_mask(attention_mask, (batch_size, length), inputs_embeds.device)
-        return position_ids, mask, document_starts(mask, position_ids, has_past=past_length > 0)
-
-    def _state_of(self, cache: ConceptCache | None, token_states: torch.Tensor) -> ConceptState:
-        """The cached per-row state, or the empty state (no cache, or the cache's first call)."""
-        if cache is not None and cache.state is not None:
-            return cache.state
-        batch_size, _, width = token_states.shape
-        return ConceptState.empty(batch_size, width, width, token_states.device, token_states.dtype)
 
     def _run_token_layers(
         self,
@@ -360,33 +273,6 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
                 token_states, _ = layer(token_states, attention_mask=layer_mask, **layer_kwargs)
             all_states.append(token_states)
         return token_states
-
-    def boundaries(
-        self,
-        token_states: torch.Tensor,
-        mask: torch.Tensor,
-        starts: torch.Tensor,
-        position_ids: torch.Tensor,
-        state: ConceptState,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(B, L) probabilities, (B, L) bool boundaries and the (B, L, D) router keys (or None)."""
-        config = self.config
-        if config.chunking == "fixed":
-            opens = fixed_boundaries(position_ids, starts, mask, int(config.compression_ratio))
-            return opens.to(torch.float32), opens, None
-        past_keys = state.previous_key if config.router == "cosine" else None
-        probs, keys = self.chunker(token_states, starts, mask, past_keys=past_keys)
-        opens = boundary_decisions(
-            probs,
-            starts,
-            mask,
-            noise=config.boundary_noise,
-            threshold=config.boundary_threshold,
-            tau=config.boundary_tau,
-            sigma=config.boundary_sigma,
-            training=self.training,
-        )
-        return probs, opens, keys
 
     def concept_step(
         self,
@@ -412,8 +298,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
     def run_concept_model(self, emitted: EmittedConcepts, cache: ConceptCache | None) -> torch.Tensor:
         """(B, C, D) dechunk residual of the new concepts (ĉ or ĉ − c), with cached concept K/V."""
         pooled = emitted.states
-        num_new = pooled.shape[1]
-        if num_new == 0:
+        if pooled.shape[1] == 0:
             return pooled
         slots = (emitted.valid, emitted.documents, emitted.positions)
         if cache is not None:
@@ -421,44 +306,13 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             slots = cache.concept_slots()
         concept_states = pooled if self.concept_in_proj is None else self.concept_in_proj(pooled)
         position_embeddings = self.rotary_emb(concept_states, emitted.positions)
-        masks = self.concept_masks(slots, num_new)
-        for pass_idx, layer_idx in enumerate(self.config.concept_layer_schedule()):
-            layer = self.concept_layers[layer_idx]
-            concept_states, _ = layer(
-                concept_states,
-                attention_mask=masks[layer.attention_type],
-                position_embeddings=position_embeddings,
-                past_key_values=None if cache is None else _ConceptPassCache(cache, pass_idx),
-            )
+        concept_states = self.run_concept_layers(concept_states, position_embeddings, slots, cache)
         if self.concept_out_proj is not None:
             concept_states = self.concept_out_proj(concept_states)
         return concept_states - pooled if self.config.dechunk_residual == "delta" else concept_states
 
-    def concept_masks(self, slots: tuple[torch.Tensor, ...], num_queries: int) -> dict[str, Any]:
-        """One mask per attention type used by the concept layers.
-
-        Where the full-attention mask is plain causal (every slot real, one document per row, queries
-        covering all slots or a single query), sdpa gets no mask: its causal kernel skips the masked
-        half, which an explicit boolean mask prevents (about 2.5× faster at 4k concepts on CPU). Eager
-        attention treats a missing mask as no mask at all, so it always gets the boolean one.
-        """
-        valid, documents, _ = slots
-        layer_types = {layer.attention_type for layer in self.concept_layers}
-        masks: dict[str, Any] = {}
-        if "full_attention" in layer_types:
-            plain_causal = (
-                self.config._attn_implementation == "sdpa"
-                and num_queries in (1, valid.shape[1])
-                and bool(valid.all())
-                and bool((documents == documents[:, :1]).all())
-            )
-            masks["full_attention"] = (
-                None if plain_causal else concept_attention_mask(*slots, num_queries, None)
-            )
-        if "sliding_attention" in layer_types:
-            window = self.config.sliding_window
-            masks["sliding_attention"] = concept_attention_mask(*slots, num_queries, window)
-        return masks
+    def concept_layer_schedule(self) -> list[int]:
+        return self.config.concept_layer_schedule()
 
     def continue_ema(
         self, concepts: torch.Tensor, emitted: EmittedConcepts, state: ConceptState
@@ -515,7 +369,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         return token_concepts, new_state
 
 
-class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
+class ConceptMoEForCausalLM(ConceptCausalLMMixin, ConceptMoEPreTrainedModel, GenerationMixin):
     """Causal LM: (B, L) ids -> (B, L, V) next-token logits; logit t depends on tokens <= t only.
 
     With `labels`, loss = LM cross-entropy (`self.loss_function`, so Trainer's `num_items_in_batch`
@@ -533,73 +387,6 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.ratio_accumulator = None
         self.post_init()
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Any,
-    ) -> ConceptMoECausalLMOutput | tuple:
-        return_dict = kwargs.pop("return_dict", None)
-        kwargs.pop("output_attentions", None)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        logits = project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)  # (B, L_kept, V)
-        loss = lm_loss = aux_loss = None
-        if labels is not None:
-            lm_loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
-            )
-            aux_loss = self.auxiliary_loss(outputs, labels, kwargs.get("num_items_in_batch"))
-            loss = lm_loss + self.config.aux_loss_weight * aux_loss
-        mask, opens = outputs.token_mask, outputs.boundaries
-        output = ConceptMoECausalLMOutput(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            lm_loss=None if lm_loss is None else lm_loss.detach(),
-            aux_loss=None if aux_loss is None else aux_loss.detach(),
-            compression_ratio=(mask.sum() / (opens & mask).sum().clamp_min(1)).detach().float(),
-            boundary_prob_mean=outputs.boundary_probs[mask].mean().detach() if mask.any() else None,
-        )
-        return output.to_tuple() if return_dict is False else output
-
-    def auxiliary_loss(
-        self, outputs: ConceptMoEModelOutput, labels: torch.Tensor, num_items_in_batch: Any
-    ) -> torch.Tensor:
-        """The ratio-loss term (before `aux_loss_weight`); 0 for fixed chunking."""
-        probs = outputs.boundary_probs
-        if self.config.chunking == "fixed":
-            return probs.new_zeros(())
-        scope = self.config.ratio_scope
-        result = ratio_loss(
-            probs,
-            outputs.boundaries,
-            outputs.token_mask,
-            target_ratio=self.config.compression_ratio,
-            scope=scope,
-            starts=outputs.document_starts,
-            # Evaluation batches are not micro-batches of an optimizer step: they never touch the accumulator.
-            accumulator=self.ratio_accumulator if scope == "global" and self.training else None,
-        )
-        if scope == "sequence":
-            local_items = (labels[..., 1:] != -100).sum()
-            return scale_aux_loss(result.loss, local_items, num_items_in_batch)
-        return result.loss
 
 
 ConceptMoEModel.register_for_auto_class("AutoModel")

@@ -28,7 +28,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import ModelOutput, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from .configuration_plain import PlainDecoderConfig
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -216,11 +216,14 @@ def project_logits(
 
 
 class CausalLMMixin:
-    """`forward` of a causal LM whose loss is the next-token cross-entropy alone (plain, Hidden Decoding).
+    """`forward` of every causal LM here: backbone, LM head, loss and output fields.
 
-    The class sets `model` (a backbone returning `last_hidden_state`, `past_key_values`, `hidden_states`,
-    `router_logits`), `lm_head`, `output_class`, and `extra_output_fields` copied from the backbone's
-    output. Extra keyword arguments reach the backbone (and the loss, which ignores what it does not know).
+    The class sets `model` (a backbone returning at least `last_hidden_state`, `past_key_values`,
+    `hidden_states`), `lm_head` and `output_class`. `loss_and_fields` gives the loss and the family's
+    output fields: here the next-token cross-entropy alone, the router logits and `extra_output_fields`
+    copied from the backbone's output (plain, Hidden Decoding); the concept families add their
+    auxiliary loss and metrics. Extra keyword arguments reach the backbone and the loss (which ignores
+    what it does not know).
     """
 
     output_class: ClassVar[type] = MoeCausalLMOutputWithPast
@@ -237,7 +240,7 @@ class CausalLMMixin:
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
-    ) -> MoeCausalLMOutputWithPast | tuple:
+    ) -> ModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
         # Attention weights are not collected; the flag must not reach the kernels either.
         kwargs.pop("output_attentions", None)
@@ -250,21 +253,31 @@ class CausalLMMixin:
             use_cache=use_cache,
             **kwargs,
         )
-        logits = project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
-            )
+        # (B, L_kept, V)
+        logits = self.scale_logits(project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep))
         output = self.output_class(
-            loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
-            router_logits=outputs.router_logits,
-            **{name: getattr(outputs, name) for name in self.extra_output_fields},
+            **self.loss_and_fields(outputs, logits, labels, kwargs),
         )
         return output.to_tuple() if return_dict is False else output
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Hook for output multipliers (DLCM's μP); the identity here."""
+        return logits
+
+    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
+        """Shifted next-token cross-entropy (`self.loss_function`: Trainer's `num_items_in_batch` applies)."""
+        if labels is None:
+            return None
+        return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+    def loss_and_fields(
+        self, outputs: ModelOutput, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict
+    ) -> dict[str, Any]:
+        fields = {name: getattr(outputs, name) for name in self.extra_output_fields}
+        return dict(loss=self.lm_loss(logits, labels, kwargs), router_logits=outputs.router_logits, **fields)
 
 
 class PlainDecoderForCausalLM(CausalLMMixin, PlainDecoderPreTrainedModel, GenerationMixin):

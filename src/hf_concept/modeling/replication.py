@@ -88,12 +88,22 @@ def replicated_concept_attention(
     mask: torch.Tensor,
     starts: torch.Tensor,
     scale: float | None = None,
+    plain_causal: bool = False,
 ) -> torch.Tensor:
-    """(B, H, L, K): concept replication + causal SDPA. `query_states` (B, H, L, K), `starts` (B, L) bool."""
+    """(B, H, L, K): concept replication + causal SDPA. `query_states` (B, H, L, K), `starts` (B, L) bool.
+
+    `plain_causal=True` is the caller's promise that the mask is exactly causal (every token real and
+    carrying a concept, one document per row): SDPA then runs its causal kernel with no mask, which skips
+    the masked half instead of reading an L x L boolean mask.
+    """
     num_heads = query_states.shape[1]
     key_states, value_states = replicate_concept_kv(
         _expand_heads(concept_k, num_heads), _expand_heads(concept_v, num_heads), index
     )
+    if plain_causal:
+        return F.scaled_dot_product_attention(
+            query_states, key_states, value_states, is_causal=True, scale=scale
+        )
     allowed = replication_attention_mask(index, mask, starts)
     sees_something = allowed.any(dim=-1, keepdim=True)
     # A row that sees nothing would softmax over -inf only (NaN): let it see everything, then zero it.

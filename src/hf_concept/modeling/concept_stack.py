@@ -1,0 +1,301 @@
+"""The concept-level machinery that ConceptMoE and DLCM share (DESIGN §3, §5).
+
+Legend: B batch, L tokens (this call), C concept slots, D token width, Dc concept width.
+
+- `ConfigView`: the model config seen with a few fields overridden (a concept stack of another width,
+  other heads), every other attribute — `_attn_implementation` included — read live from the model's.
+- `ConceptPassCache`: what one concept layer pass sees as `past_key_values`; it appends to that pass's
+  concept K/V in the `ConceptCache`.
+- `ConceptStackMixin`: methods of a concept-level model (`self.config`, `self.chunker`,
+  `self.concept_layers` given): the token layout (positions, real tokens, document starts), boundary
+  decisions (learned router, DLCM's rule router, or fixed chunking), the masks of the concept layers and
+  one run of the concept layers over new concepts with cached concept K/V.
+
+Causality: a concept attends to earlier-or-equal concept slots of its own document; boundaries read
+tokens t − 1 and t only (the previous one from the cache for a continued row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import ModelOutput
+
+from .chunking import concept_attention_mask, fixed_boundaries
+from .concept_cache import ConceptCache, ConceptState
+from .forward_only_cache import adopt_cache
+from .modeling_plain import CausalLMMixin, PlainDecoderModel, default_position_ids
+from .packing import document_starts, token_mask
+from .routing import boundary_decisions, ratio_loss, rule_boundaries, scale_aux_loss
+
+
+class ConfigView:
+    """`config` with `overrides` (e.g. hidden_size=...) on top; everything else read live from `config`."""
+
+    def __init__(self, config: Any, **overrides: Any) -> None:
+        self._config = config
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+class ConceptPassCache:
+    """What one concept pass's attention sees as `past_key_values`: appends to that pass's concept K/V."""
+
+    def __init__(self, cache: ConceptCache, pass_idx: int) -> None:
+        self.cache, self.pass_idx = cache, pass_idx
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        return self.cache.update_concepts(keys, values, self.pass_idx)
+
+
+@dataclass
+class TokenStep:
+    """What a concept-level forward starts from: (B, L, D) embeddings, the cache (or None), (B, L) position
+    ids, real-token mask and document starts, one token-layer mask per attention type, and the keyword
+    arguments every token layer gets (RoPE tables, cache, positions, the caller's extras)."""
+
+    inputs_embeds: torch.Tensor
+    cache: ConceptCache | None
+    position_ids: torch.Tensor
+    mask: torch.Tensor
+    starts: torch.Tensor
+    masks: dict[str, Any]
+    layer_kwargs: dict[str, Any]
+
+
+def new_concept_cache(
+    num_hidden_layers: int, encoder_layers: int, decoder_layers: int, passes: int
+) -> ConceptCache:
+    """An empty `ConceptCache`: token K/V for the first `encoder_layers` and last `decoder_layers` layers
+    of the flat numbering, `passes` concept K/V stores."""
+    first_decoder = num_hidden_layers - decoder_layers
+    token_layers = list(range(encoder_layers)) + list(range(first_decoder, num_hidden_layers))
+    return ConceptCache(num_hidden_layers, token_layers, passes)
+
+
+class ConceptStackMixin:
+    """Shared methods of the concept-level models (see the module docstring)."""
+
+    family_name = "this family"
+
+    def begin_step(
+        self,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values: Cache | None,
+        use_cache: bool | None,
+        kwargs: dict[str, Any],
+    ) -> TokenStep:
+        """Embeddings, the family's cache (generate's empty default replaced), token layout and masks."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, L, D)
+        create = use_cache and not self.training
+        cache = adopt_cache(past_key_values, ConceptCache, self.new_cache, create, self.family_name)
+        past_length = cache.get_seq_length() if cache is not None else 0
+        position_ids, mask, starts = self.token_layout(
+            inputs_embeds, attention_mask, position_ids, past_length
+        )
+        # The token masks are the plain family's (same layer types, same packing and padding rules).
+        masks = PlainDecoderModel.attention_masks(self, inputs_embeds, attention_mask, cache, position_ids)
+        layer_kwargs = dict(
+            position_embeddings=self.rotary_emb(inputs_embeds, position_ids),
+            past_key_values=cache,
+            position_ids=position_ids,
+            **kwargs,
+        )
+        return TokenStep(inputs_embeds, cache, position_ids, mask, starts, masks, layer_kwargs)
+
+    def token_layout(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, L) position ids (counting real tokens, as the plain family), real-token mask, starts."""
+        batch_size, length = inputs_embeds.shape[:2]
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, length, past_length, inputs_embeds.device)
+        position_ids = position_ids.expand(batch_size, -1)  # (B, L)
+        mask = token_mask(attention_mask, (batch_size, length), inputs_embeds.device)
+        return position_ids, mask, document_starts(mask, position_ids, has_past=past_length > 0)
+
+    def boundaries(
+        self,
+        token_states: torch.Tensor,
+        mask: torch.Tensor,
+        starts: torch.Tensor,
+        position_ids: torch.Tensor,
+        state: ConceptState,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(B, L) probabilities, (B, L) bool boundaries and the (B, L, D) router keys (or None)."""
+        config = self.config
+        if config.chunking == "fixed":
+            opens = fixed_boundaries(position_ids, starts, mask, int(config.compression_ratio))
+            return opens.to(torch.float32), opens, None
+        past_keys = state.previous_key if config.router in ("cosine", "rule") else None
+        probs, keys = self.chunker(token_states, starts, mask, past_keys=past_keys)
+        if config.router == "rule":
+            # DLCM §8.1: a fixed threshold on the dissimilarity, no sampling.
+            return probs, (rule_boundaries(probs, config.rule_threshold) | starts) & mask, keys
+        opens = boundary_decisions(
+            probs,
+            starts,
+            mask,
+            noise=config.boundary_noise,
+            threshold=config.boundary_threshold,
+            tau=config.boundary_tau,
+            sigma=config.boundary_sigma,
+            training=self.training,
+        )
+        return probs, opens, keys
+
+    def concept_masks(self, slots: tuple[torch.Tensor, ...], num_queries: int) -> dict[str, Any]:
+        """One mask per attention type used by the concept layers.
+
+        Where the full-attention mask is plain causal (every slot real, one document per row, queries
+        covering all slots or a single query), sdpa gets no mask: its causal kernel skips the masked
+        half, which an explicit boolean mask prevents (about 2.5× faster at 4k concepts on CPU). Eager
+        attention treats a missing mask as no mask at all, so it always gets the boolean one.
+        """
+        valid, documents, _ = slots
+        layer_types = {layer.attention_type for layer in self.concept_layers}
+        masks: dict[str, Any] = {}
+        if "full_attention" in layer_types:
+            plain_causal = (
+                self.config._attn_implementation == "sdpa"
+                and num_queries in (1, valid.shape[1])
+                and bool(valid.all())
+                and bool((documents == documents[:, :1]).all())
+            )
+            masks["full_attention"] = (
+                None if plain_causal else concept_attention_mask(*slots, num_queries, None)
+            )
+        if "sliding_attention" in layer_types:
+            window = self.config.sliding_window
+            masks["sliding_attention"] = concept_attention_mask(*slots, num_queries, window)
+        return masks
+
+    def state_of(self, cache: ConceptCache | None, token_states: torch.Tensor) -> ConceptState:
+        """The cached per-row state, or the empty state (no cache, or the cache's first call)."""
+        if cache is not None and cache.state is not None:
+            return cache.state
+        batch_size, _, width = token_states.shape
+        concept_width = getattr(self.config, "concept_hidden_size", None)
+        return ConceptState.empty(
+            batch_size, width, width, token_states.device, token_states.dtype, concept_width
+        )
+
+    def run_concept_layers(
+        self,
+        concept_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        cache: ConceptCache | None,
+    ) -> torch.Tensor:
+        """(B, C, Dc) new concepts through the concept layers (loops unrolled by the schedule); `slots`
+        describe every concept slot the new ones may attend to (valid, documents, positions)."""
+        masks = self.concept_masks(slots, concept_states.shape[1])
+        for pass_idx, layer_idx in enumerate(self.concept_layer_schedule()):
+            layer = self.concept_layers[layer_idx]
+            concept_states, _ = layer(
+                concept_states,
+                attention_mask=masks[layer.attention_type],
+                position_embeddings=position_embeddings,
+                past_key_values=None if cache is None else ConceptPassCache(cache, pass_idx),
+            )
+        return concept_states
+
+    def concept_layer_schedule(self) -> list[int]:
+        """Concept-layer indices in the order they run; one pass each unless the family loops them."""
+        return list(range(len(self.concept_layers)))
+
+
+@dataclass
+class ConceptModelOutput(ModelOutput):
+    """Base-model output: final-normed token states plus what the losses and metrics need."""
+
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    boundary_probs: torch.Tensor | None = None
+    boundaries: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
+    document_starts: torch.Tensor | None = None
+
+
+@dataclass
+class ConceptCausalLMOutput(ModelOutput):
+    """Causal-LM output; the metric fields are detached (`compression_ratio` = real tokens per concept)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    compression_ratio: torch.Tensor | None = None
+    boundary_prob_mean: torch.Tensor | None = None
+
+
+class ConceptCausalLMMixin(CausalLMMixin):
+    """Causal LM of the concept-level families: loss = LM cross-entropy + `aux_loss_weight` · ratio loss
+    (0 for fixed chunking), with `lm_loss`, `aux_loss`, `compression_ratio` (real tokens per concept)
+    and `boundary_prob_mean` in the output. Scope "global" adds the ratio loss share (routing.py; set
+    `ratio_accumulator` to a `RatioAccumulator` for gradient accumulation); scope "sequence" is scaled by
+    local label tokens / `num_items_in_batch` when that is given. The backbone returns a
+    `ConceptModelOutput`.
+    """
+
+    output_class = ConceptCausalLMOutput
+    ratio_accumulator = None
+
+    def loss_and_fields(
+        self, outputs: ConceptModelOutput, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict
+    ) -> dict[str, Any]:
+        loss = lm_loss = aux_loss = None
+        if labels is not None:
+            lm_loss = self.lm_loss(logits, labels, kwargs)
+            aux_loss = self.auxiliary_loss(outputs, labels, kwargs.get("num_items_in_batch"))
+            loss = lm_loss + self.config.aux_loss_weight * aux_loss
+        mask, opens = outputs.token_mask, outputs.boundaries
+        return dict(
+            loss=loss,
+            lm_loss=None if lm_loss is None else lm_loss.detach(),
+            aux_loss=None if aux_loss is None else aux_loss.detach(),
+            compression_ratio=(mask.sum() / (opens & mask).sum().clamp_min(1)).detach().float(),
+            boundary_prob_mean=outputs.boundary_probs[mask].mean().detach() if mask.any() else None,
+        )
+
+    def auxiliary_loss(
+        self, outputs: ConceptModelOutput, labels: torch.Tensor, num_items_in_batch: Any
+    ) -> torch.Tensor:
+        """The ratio-loss term (before `aux_loss_weight`); 0 for fixed chunking."""
+        probs = outputs.boundary_probs
+        if self.config.chunking == "fixed":
+            return probs.new_zeros(())
+        scope = self.config.ratio_scope
+        result = ratio_loss(
+            probs,
+            outputs.boundaries,
+            outputs.token_mask,
+            target_ratio=self.config.compression_ratio,
+            scope=scope,
+            starts=outputs.document_starts,
+            # Evaluation batches are not micro-batches of an optimizer step: they never touch the accumulator.
+            accumulator=self.ratio_accumulator if scope == "global" and self.training else None,
+        )
+        if scope == "sequence":
+            local_items = (labels[..., 1:] != -100).sum()
+            return scale_aux_loss(result.loss, local_items, num_items_in_batch)
+        return result.loss

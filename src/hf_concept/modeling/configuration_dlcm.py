@@ -1,0 +1,203 @@
+"""Configuration of the DLCM family (model_type "dlcm"): Dynamic Large Concept Models.
+
+Token stages (encoder, and the decoder's self-attention and MLPs) use the plain family's fields at width
+`hidden_size` (d_token). The concept stage has its own width `concept_hidden_size` (d_concept), heads,
+head dim and MLP width; the decoder's cross-attention its own heads and common head dim
+(`cross_head_dim`, eq. 12–13). `num_hidden_layers` is derived: encoder + concept + decoder layers.
+
+Boundaries: a learned cosine router (`router="cosine"`) sampled in training (`boundary_noise`), or the
+parameter-free rule router (`router="rule"`, boundary where ½(1 − cos(h_{t−1}, h_t)) > `rule_threshold`,
+the §8.1 comparison); `chunking="fixed"` opens a chunk every `compression_ratio` tokens instead. The ratio
+loss is global (`ratio_scope="global"`, the Global Parser) or per sequence ("Normal", Table 4).
+
+Decoupled μP (§6.1), active when `mup_base_width` is set: s_token = hidden_size / base and s_concept =
+concept_hidden_size / base; hidden matrices of a stage start with variance σ²/s, logits are multiplied by
+1/s_token (`mup_output_scaling`), and `hf_concept.training.mup_param_groups` gives each group its learning
+rate (the `mup_*_learning_rate` fields are η_base).
+
+`check_fields` raises `ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .configuration_plain import PlainDecoderConfig, _is_int, _is_number
+
+ROUTER_KINDS = ("cosine", "rule")
+CHUNKING_KINDS = ("dynamic", "fixed")
+BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
+RATIO_SCOPES = ("global", "sequence")
+
+
+class DLCMConfig(PlainDecoderConfig):
+    """Config of `DLCMForCausalLM`; see the module docstring for the stages and options."""
+
+    model_type = "dlcm"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = [
+        "past_key_values",
+        "lm_loss",
+        "aux_loss",
+        "compression_ratio",
+        "boundary_prob_mean",
+        "hidden_states",
+    ]
+
+    encoder_layers: int = 2
+    concept_layers: int = 4
+    decoder_layers: int = 2
+    num_hidden_layers: int | None = None
+    concept_hidden_size: int | None = None
+    concept_num_attention_heads: int | None = None
+    concept_num_key_value_heads: int | None = None
+    concept_head_dim: int | None = None
+    concept_intermediate_size: int | None = None
+    cross_num_attention_heads: int | None = None
+    cross_num_key_value_heads: int | None = None
+    cross_head_dim: int | None = None
+    compression_ratio: float = 4.0
+    chunking: str = "dynamic"
+    router: str = "cosine"
+    rule_threshold: float = 0.5
+    boundary_noise: str = "bernoulli"
+    boundary_tau: float = 6.0
+    boundary_sigma: float = 0.1
+    boundary_threshold: float = 0.5
+    ratio_scope: str = "global"
+    aux_loss_weight: float = 0.03
+    mup_base_width: int | None = None
+    mup_token_learning_rate: float = 1e-3
+    mup_concept_learning_rate: float = 1e-3
+    mup_other_learning_rate: float = 1e-3
+    mup_output_scaling: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        self._fill_stage_defaults()
+        auto_map = {"AutoModel": "modeling_dlcm.DLCMModel"}
+        auto_map.update(kwargs.pop("auto_map", None) or {})
+        kwargs["auto_map"] = auto_map
+        super().__post_init__(**kwargs)
+
+    def _fill_stage_defaults(self) -> None:
+        split = (self.encoder_layers, self.concept_layers, self.decoder_layers)
+        if all(_is_int(value) for value in split):
+            total = sum(split)
+            if self.num_hidden_layers is not None and self.num_hidden_layers != total:
+                raise ValueError(
+                    f"num_hidden_layers={self.num_hidden_layers!r} must equal encoder_layers + concept_layers"
+                    f" + decoder_layers = {total} (leave it unset)"
+                )
+            self.num_hidden_layers = total
+        if self.concept_hidden_size is None:
+            self.concept_hidden_size = self.hidden_size
+        if self.concept_num_attention_heads is None:
+            self.concept_num_attention_heads = self.num_attention_heads
+        if self.concept_num_key_value_heads is None:
+            self.concept_num_key_value_heads = self.concept_num_attention_heads
+        width, heads = self.concept_hidden_size, self.concept_num_attention_heads
+        if self.concept_head_dim is None and _is_int(width) and _is_int(heads) and heads > 0:
+            self.concept_head_dim = width // heads
+        if self.concept_intermediate_size is None and all(
+            _is_int(value) and value > 0 for value in (self.intermediate_size, width, self.hidden_size)
+        ):
+            self.concept_intermediate_size = self.intermediate_size * width // self.hidden_size
+        if self.cross_num_attention_heads is None:
+            self.cross_num_attention_heads = self.num_attention_heads
+        if self.cross_num_key_value_heads is None:
+            self.cross_num_key_value_heads = self.num_key_value_heads or self.cross_num_attention_heads
+        if self.cross_head_dim is None:
+            heads = self.num_attention_heads
+            if self.head_dim is not None:
+                self.cross_head_dim = self.head_dim
+            elif _is_int(self.hidden_size) and _is_int(heads) and heads > 0:
+                self.cross_head_dim = self.hidden_size // heads
+
+    @property
+    def mup_token_scale(self) -> float:
+        """s_token = d_token / d_base (1 without μP)."""
+        return 1.0 if self.mup_base_width is None else self.hidden_size / self.mup_base_width
+
+    @property
+    def mup_concept_scale(self) -> float:
+        """s_concept = d_concept / d_base (1 without μP)."""
+        return 1.0 if self.mup_base_width is None else self.concept_hidden_size / self.mup_base_width
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        self._check_stages()
+        self._check_choices()
+        self._check_numbers()
+
+    def _check_stages(self) -> None:
+        for name in ("encoder_layers", "concept_layers", "decoder_layers"):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in (
+            "concept_hidden_size",
+            "concept_num_attention_heads",
+            "concept_num_key_value_heads",
+            "concept_intermediate_size",
+            "cross_num_attention_heads",
+            "cross_num_key_value_heads",
+        ):
+            value = getattr(self, name)
+            if not (_is_int(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("concept_head_dim", "cross_head_dim"):
+            value = getattr(self, name)
+            if not (_is_int(value) and value > 0 and value % 2 == 0):
+                raise ValueError(f"{name}={value!r} must be a positive even integer")
+        for prefix in ("concept", "cross"):
+            heads = getattr(self, f"{prefix}_num_attention_heads")
+            kv_heads = getattr(self, f"{prefix}_num_key_value_heads")
+            if heads % kv_heads:
+                raise ValueError(
+                    f"{prefix}_num_key_value_heads={kv_heads} must divide "
+                    f"{prefix}_num_attention_heads={heads}"
+                )
+        if self.sliding_window is not None:
+            raise ValueError(f"sliding_window={self.sliding_window!r}: DLCM has no sliding-window layers")
+        if self.num_experts != 0:
+            raise ValueError(f"num_experts={self.num_experts!r}: DLCM's stages are dense (use 0)")
+
+    def _check_choices(self) -> None:
+        choices = {
+            "router": ROUTER_KINDS,
+            "chunking": CHUNKING_KINDS,
+            "boundary_noise": BOUNDARY_NOISE_KINDS,
+            "ratio_scope": RATIO_SCOPES,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} must be one of {allowed}")
+        if not isinstance(self.mup_output_scaling, bool):
+            raise ValueError(f"mup_output_scaling={self.mup_output_scaling!r} must be a bool")
+
+    def _check_numbers(self) -> None:
+        ratio = self.compression_ratio
+        if not (_is_number(ratio) and ratio > 1):
+            raise ValueError(f"compression_ratio={ratio!r} must be a number > 1")
+        if self.chunking == "fixed" and not float(ratio).is_integer():
+            raise ValueError(f"compression_ratio={ratio!r} must be an integer for chunking='fixed'")
+        for name in ("rule_threshold", "boundary_threshold"):
+            value = getattr(self, name)
+            if not (_is_number(value) and 0 < value <= 1):
+                raise ValueError(f"{name}={value!r} must be in (0, 1]")
+        if not (_is_number(self.boundary_tau) and self.boundary_tau > 0):
+            raise ValueError(f"boundary_tau={self.boundary_tau!r} must be a positive number")
+        for name in ("boundary_sigma", "aux_loss_weight"):
+            value = getattr(self, name)
+            if not (_is_number(value) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be a non-negative number")
+        base = self.mup_base_width
+        if base is not None and not (_is_int(base) and base > 0):
+            raise ValueError(f"mup_base_width={base!r} must be None or a positive integer")
+        for name in ("mup_token_learning_rate", "mup_concept_learning_rate", "mup_other_learning_rate"):
+            value = getattr(self, name)
+            if not (_is_number(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number")
+
+
+DLCMConfig.register_for_auto_class()

@@ -1,0 +1,475 @@
+"""The DLCM family: token encoder -> boundaries -> W_up·mean concepts -> concept transformer -> smoothing ->
+decoder layers of self-attention, cross-attention to concepts and MLP (DLCM §3, DESIGN §3–4).
+
+Legend: B batch, L tokens (this call), C concepts (new in this call), N concept slots readable by tokens
+(the null concept at index 0, then the row's concepts), D token width, Dc concept width, Hx / Gx / Kx
+cross-attention heads / key-value heads / head dim, V vocabulary.
+
+Pipeline, per call:
+1. embed; encoder `DecoderLayer`s at d_token (token K/V in the cache);
+2. boundaries from the cosine router (sampled in training) or the rule router (fixed threshold), or every
+   R-th token (`chunking="fixed"`); document starts always open a chunk. The decision is not
+   differentiated through (§3.3: segmentation is decoupled from the LM loss); the router learns from the
+   ratio loss alone;
+3. mean pooling with the availability rule (a chunk becomes readable once it has closed,
+   `chunking.emit_concepts`), W_up into d_concept, concept `DecoderLayer`s over the concept sequence
+   (RoPE at the opening token's position, causal over concepts of a document, cached concept K/V), a
+   final concept norm, then smoothing z̃_m = z_m + W_s z_{m−1} within a document (W_s = 0 at init, so the
+   identity);
+4. decoder layers: token self-attention; cross-attention with Q = RMSNorm(W_Q h) and K, V =
+   RMSNorm(W_K z̃), W_V z̃ per concept, with *concept replication* semantics (§4.1): position s carries
+   the K/V of its latest readable concept (the learned null concept in a document's first chunk) and
+   token t attends causally over s <= t of its document, so a concept weighs as many times as positions
+   carried it; then the MLP;
+5. final norm, LM head (logits × 1/s_token under μP with `mup_output_scaling`).
+
+Two forms of step 4, equal by construction: without a cache (training) the K/V are replicated to token
+positions and SDPA runs causally (`replication.replicated_concept_attention`); with a `ConceptCache` one
+K/V per concept is stored with how many positions carried it, and the scores get + log(count)
+(`replication.concept_attention_counted`) — M entries instead of L.
+
+Causality: a token at position t reads only real tokens <= t of its own document; the concept of its
+own open chunk is never readable (its mean would include later tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .chunking import Chunker, EmittedConcepts, emit_concepts
+from .concept_cache import ConceptCache, ConceptState
+from .concept_stack import (
+    ConceptCausalLMMixin,
+    ConceptModelOutput,
+    ConceptStackMixin,
+    ConfigView,
+    new_concept_cache,
+)
+from .configuration_dlcm import DLCMConfig
+from .layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from .modeling_plain import init_backbone_weights
+from .replication import concept_attention_counted, concept_counts, replicated_concept_attention
+
+
+class SmoothingLinear(nn.Linear):
+    """W_s of the concept smoothing, initialised to zero so that smoothing starts as the identity."""
+
+
+@dataclass
+class ConceptReading:
+    """How the tokens of one call read concepts: `index` (B, L) the slot each position carries (-1 for
+    pads; 0 the null concept), `mask` / `starts` (B, L), and for the counted form `counts` (B, L, N)."""
+
+    index: torch.Tensor
+    mask: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor | None = None
+    plain_causal: bool = False
+
+
+class ConceptCrossAttention(nn.Module):
+    """Cross-attention from tokens (d_token) to concepts (d_concept) in a common head dim (eq. 12–14), with
+    RMSNorm on queries and keys (§4)."""
+
+    def __init__(self, config: DLCMConfig) -> None:
+        super().__init__()
+        self.num_heads = config.cross_num_attention_heads
+        self.num_key_value_heads = config.cross_num_key_value_heads
+        self.head_dim = config.cross_head_dim
+        self.scaling = self.head_dim**-0.5
+        width, concept_width = config.hidden_size, config.concept_hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(concept_width, self.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(concept_width, self.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, width, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def concept_kv(self, concept_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Gx, C, Kx) normed keys and values of (B, C, Dc) concepts."""
+        shape = (*concept_states.shape[:-1], self.num_key_value_heads, self.head_dim)
+        keys = self.k_norm(self.k_proj(concept_states).view(shape))
+        values = self.v_proj(concept_states).view(shape)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def forward(
+        self,
+        token_states: torch.Tensor,
+        concept_keys: torch.Tensor,
+        concept_values: torch.Tensor,
+        reading: ConceptReading,
+    ) -> torch.Tensor:
+        """(B, L, D) token states, (B, Gx, N, Kx) slot keys/values -> (B, L, D)."""
+        batch, length, _ = token_states.shape
+        query = self.q_proj(token_states).view(batch, length, self.num_heads, self.head_dim)
+        query = self.q_norm(query).transpose(1, 2)  # (B, Hx, L, Kx)
+        if reading.counts is not None:
+            attended = concept_attention_counted(
+                query, concept_keys, concept_values, reading.counts, scale=self.scaling
+            )
+        else:
+            attended = replicated_concept_attention(
+                query,
+                concept_keys,
+                concept_values,
+                reading.index,
+                reading.mask,
+                reading.starts,
+                scale=self.scaling,
+                plain_causal=reading.plain_causal,
+            )
+        attended = attended.transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(attended)
+
+
+class DLCMDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: x + self_attn(norm x), x + cross_attn(norm x, concepts), x + mlp(norm x)."""
+
+    def __init__(self, config: DLCMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attention_type = "full_attention"
+        width, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(width, eps=eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.cross_attention_layernorm = RMSNorm(width, eps=eps)
+        self.cross_attn = ConceptCrossAttention(config)
+        self.post_attention_layernorm = RMSNorm(width, eps=eps)
+        self.mlp = MLP(width, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        concept_keys: torch.Tensor,
+        concept_values: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values=None,
+        reading: ConceptReading | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        # The concept K/V are positional so that gradient checkpointing treats them as inputs.
+        attended, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + attended
+        crossed = self.cross_attn(
+            self.cross_attention_layernorm(hidden_states), concept_keys, concept_values, reading
+        )
+        hidden_states = hidden_states + crossed
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), None
+
+
+class DLCMPreTrainedModel(PreTrainedModel):
+    """Shared class attributes and (μP-aware) weight initialisation of the DLCM family."""
+
+    config_class = DLCMConfig
+    config: DLCMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules: ClassVar[list[str]] = ["DecoderLayer", "DLCMDecoderLayer"]
+    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    # Concept and cross attention build their own masks, which the flash kernels do not take.
+    _supports_flash_attn = False
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        config = self.config
+        if isinstance(module, SmoothingLinear):
+            init.zeros_(module.weight)
+        elif isinstance(module, nn.Linear) and getattr(module, "mup_stage", None) is not None:
+            # Decoupled μP: hidden matrices of a stage start with variance σ² / s (s = 1 without μP).
+            scale = config.mup_concept_scale if module.mup_stage == "concept" else config.mup_token_scale
+            init_backbone_weights(module, config.initializer_range / scale**0.5)
+        elif isinstance(module, DLCMModel):
+            init.normal_(module.null_concept, mean=0.0, std=config.initializer_range)
+        else:
+            init_backbone_weights(module, config.initializer_range)
+
+
+def mup_stage_of(parameter_name: str) -> str | None:
+    """ "token" / "concept" for the hidden matrices of each stage, None for the others (embeddings, norms,
+    LM head, null concept). The concept stage owns what reads or writes concept width."""
+    concept_prefixes = ("concept_layers.", "concept_in_proj.", "smoothing.")
+    concept_parts = (".cross_attn.k_proj.", ".cross_attn.v_proj.")
+    name = parameter_name.removeprefix("model.")
+    if not name.endswith(".weight") or "norm" in name.rsplit(".", 2)[-2] or name.startswith("embed_tokens"):
+        return None
+    if name.startswith(concept_prefixes) or any(part in name for part in concept_parts):
+        return "concept"
+    if name.startswith(("encoder_layers.", "decoder_layers.", "chunker.")):
+        return "token"
+    return None
+
+
+class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
+    """(B, L) ids -> (B, L, D) final-normed token states through encoder, concepts and decoder."""
+
+    family_name = "DLCM"
+
+    def __init__(self, config: DLCMConfig) -> None:
+        super().__init__(config)
+        config.check_fields()
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        width, concept_width = config.hidden_size, config.concept_hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, width, self.padding_idx)
+        self.encoder_layers = nn.ModuleList(
+            DecoderLayer(config, index) for index in range(config.encoder_layers)
+        )
+        self.chunker = Chunker(config)
+        self.concept_in_proj = nn.Linear(width, concept_width, bias=False)
+        self.null_concept = nn.Parameter(torch.zeros(concept_width))
+        concept_config = ConfigView(
+            config,
+            hidden_size=concept_width,
+            num_attention_heads=config.concept_num_attention_heads,
+            num_key_value_heads=config.concept_num_key_value_heads,
+            head_dim=config.concept_head_dim,
+            intermediate_size=config.concept_intermediate_size,
+        )
+        first_concept = config.encoder_layers
+        self.concept_layers = nn.ModuleList(
+            DecoderLayer(concept_config, first_concept + index) for index in range(config.concept_layers)
+        )
+        self.concept_norm = RMSNorm(concept_width, eps=config.rms_norm_eps)
+        self.smoothing = SmoothingLinear(concept_width, concept_width, bias=False)
+        first_decoder = first_concept + config.concept_layers
+        self.decoder_layers = nn.ModuleList(
+            DLCMDecoderLayer(config, first_decoder + index) for index in range(config.decoder_layers)
+        )
+        self.norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding.from_config(config)
+        self.concept_rotary_emb = RotaryEmbedding.from_config(concept_config)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                module.mup_stage = mup_stage_of(f"{name}.weight")
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def new_cache(self) -> ConceptCache:
+        """An empty `ConceptCache`: token K/V for encoder and decoder layers, concept K/V for each concept
+        layer and each decoder layer's cross-attention."""
+        config = self.config
+        passes = config.concept_layers + config.decoder_layers
+        return new_concept_cache(
+            config.num_hidden_layers, config.encoder_layers, config.decoder_layers, passes
+        )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs: Any,
+    ) -> ConceptModelOutput | tuple:
+        return_dict = kwargs.pop("return_dict", None)
+        kwargs.pop("output_attentions", None)
+        step_in = self.begin_step(
+            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs
+        )
+        inputs_embeds, cache, position_ids = step_in.inputs_embeds, step_in.cache, step_in.position_ids
+        mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
+        all_states = [inputs_embeds]
+        token_states = inputs_embeds
+        for layer in self.encoder_layers:
+            token_states, _ = layer(token_states, attention_mask=masks[layer.attention_type], **layer_kwargs)
+            all_states.append(token_states)
+        state = self.state_of(cache, token_states)
+        probs, opens, keys = self.boundaries(token_states, mask, starts, position_ids, state)
+        documents = (state.document[:, None] + torch.cumsum(starts.long(), dim=1)).masked_fill(~mask, -1)
+        emitted = emit_concepts(
+            token_states, probs, opens, mask, starts, position_ids, documents, "mean", state
+        )
+        slots_before = cache.num_concept_slots if cache is not None else 0
+        concepts, new_state = self.concept_model(emitted, state, cache)
+        reading, new_state = self.read_concepts(emitted, opens, mask, starts, slots_before, new_state, cache)
+        new_state = self.remember_router(new_state, keys, documents, mask, state)
+        if cache is not None:
+            cache.state = new_state
+        for index, layer in enumerate(self.decoder_layers):
+            concept_keys, concept_values = self.cross_kv(layer, concepts, cache, index)
+            token_states, _ = layer(
+                token_states,
+                concept_keys,
+                concept_values,
+                attention_mask=masks[layer.attention_type],
+                reading=reading,
+                **layer_kwargs,
+            )
+            all_states.append(token_states)
+        all_states[-1] = self.norm(token_states)
+        keep_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        output = ConceptModelOutput(
+            last_hidden_state=all_states[-1],
+            past_key_values=cache,
+            hidden_states=tuple(all_states) if keep_states else None,
+            boundary_probs=probs,
+            boundaries=opens,
+            token_mask=mask,
+            document_starts=starts,
+        )
+        return output.to_tuple() if return_dict is False else output
+
+    def concept_model(
+        self, emitted: EmittedConcepts, state: ConceptState, cache: ConceptCache | None
+    ) -> tuple[torch.Tensor, ConceptState]:
+        """(B, C, Dc) smoothed new concepts (W_up, concept layers, norm, smoothing) and the state after."""
+        new_state = ConceptState(*emitted.state.tensors())
+        pooled = emitted.states
+        if pooled.shape[1] == 0:
+            return pooled.new_zeros(*pooled.shape[:2], self.config.concept_hidden_size), new_state
+        slots = (emitted.valid, emitted.documents, emitted.positions)
+        if cache is not None:
+            cache.append_concept_slots(*slots)
+            slots = cache.concept_slots()
+        concept_states = self.concept_in_proj(pooled)  # (B, C, Dc)
+        position_embeddings = self.concept_rotary_emb(concept_states, emitted.positions)
+        concept_states = self.run_concept_layers(concept_states, position_embeddings, slots, cache)
+        concept_states = self.concept_norm(concept_states)
+        return self.smooth(concept_states, emitted, state, new_state)
+
+    def smooth(
+        self,
+        concept_states: torch.Tensor,
+        emitted: EmittedConcepts,
+        state: ConceptState,
+        new_state: ConceptState,
+    ) -> tuple[torch.Tensor, ConceptState]:
+        """z̃_m = z_m + W_s z_{m−1}, z_{m−1} the row's previous concept if it is of the same document."""
+        previous = torch.cat(
+            [state.last_concept[:, None].to(concept_states.dtype), concept_states[:, :-1]], dim=1
+        )
+        previous_documents = torch.cat(
+            [state.last_concept_document[:, None], emitted.documents[:, :-1]], dim=1
+        )
+        previous_valid = torch.cat([state.last_concept_document[:, None] >= 0, emitted.valid[:, :-1]], dim=1)
+        same_document = previous_valid & (previous_documents == emitted.documents)
+        smoothed = concept_states + self.smoothing(previous * same_document[..., None].to(previous.dtype))
+        counts = emitted.valid.sum(dim=1)  # (B,)
+        has_new = counts > 0
+        rows = torch.arange(counts.shape[0], device=counts.device)
+        last = (counts - 1).clamp_min(0)
+        new_state.last_concept = torch.where(
+            has_new[:, None], concept_states[rows, last].to(state.last_concept.dtype), state.last_concept
+        )
+        new_state.last_concept_document = torch.where(
+            has_new, emitted.documents[rows, last], state.last_concept_document
+        )
+        new_state.concept_count = state.concept_count + counts
+        return smoothed, new_state
+
+    def read_concepts(
+        self,
+        emitted: EmittedConcepts,
+        opens: torch.Tensor,
+        mask: torch.Tensor,
+        starts: torch.Tensor,
+        slots_before: int,
+        state: ConceptState,
+        cache: ConceptCache | None,
+    ) -> tuple[ConceptReading, ConceptState]:
+        """Which slot each position carries (null concept 0, cache slot j as j + 1) and, with a cache, the
+        counted form's (B, L, N) counts continuing the row's cached counts."""
+        # Tokens before the slice's first opening continue the cached chunk: they carry what the row's
+        # last cached token carried. Other tokens with no closed chunk in their document carry the null.
+        continues = (torch.cumsum((opens & mask).long(), dim=1) == 0) & (state.read_slot[:, None] >= 0)
+        carried = torch.where(continues, state.read_slot[:, None], 0)
+        index = torch.where(emitted.token_index >= 0, 1 + slots_before + emitted.token_index, carried)
+        index = index.masked_fill(~mask, -1)  # (B, L)
+        if cache is None:
+            plain_causal = bool(mask.all()) and not bool(starts[:, 1:].any())
+            return ConceptReading(index, mask, starts, plain_causal=plain_causal), state
+        num_slots = 1 + cache.num_concept_slots
+        initial = nn.functional.pad(state.read_counts, (0, num_slots - state.read_counts.shape[1]))
+        counts = concept_counts(index, mask, starts, num_slots, initial_counts=initial)  # (B, L, N)
+        has_real = mask.any(dim=1)
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)  # (B,) last real token
+        state.read_slot = torch.where(has_real, index[rows, last], state.read_slot)
+        state.read_counts = torch.where(has_real[:, None], counts[rows, last], initial)
+        return ConceptReading(index, mask, starts, counts=counts), state
+
+    def remember_router(
+        self,
+        state: ConceptState,
+        keys: torch.Tensor | None,
+        documents: torch.Tensor,
+        mask: torch.Tensor,
+        old: ConceptState,
+    ) -> ConceptState:
+        """The router key and document of each row's last real token, for the next call."""
+        has_real = mask.any(dim=1)
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)
+        if keys is not None:
+            state.previous_key = torch.where(
+                has_real[:, None], keys[rows, last].to(old.previous_key.dtype), old.previous_key
+            )
+        state.document = torch.where(has_real, documents[rows, last], old.document)
+        return state
+
+    def cross_kv(
+        self, layer: DLCMDecoderLayer, concepts: torch.Tensor, cache: ConceptCache | None, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Gx, N, Kx) keys and values of the null concept and every readable concept slot."""
+        batch = concepts.shape[0]
+        null = self.null_concept.to(concepts.dtype).expand(batch, 1, -1)
+        # One projection over [null, new concepts]: a separate one-row product could round differently.
+        keys, values = layer.cross_attn.concept_kv(torch.cat([null, concepts], dim=1))  # (B, Gx, 1 + C, Kx)
+        if cache is None:
+            return keys, values
+        new_keys, new_values = cache.update_concepts(
+            keys[:, :, 1:], values[:, :, 1:], self.config.concept_layers + index
+        )
+        return torch.cat([keys[:, :, :1], new_keys], dim=2), torch.cat([values[:, :, :1], new_values], dim=2)
+
+
+class DLCMForCausalLM(ConceptCausalLMMixin, DLCMPreTrainedModel, GenerationMixin):
+    """Causal LM: (B, L) ids -> (B, L, V) next-token logits; logit t depends on tokens <= t only.
+
+    Loss = LM cross-entropy + `aux_loss_weight` · ratio loss (`ConceptCausalLMMixin`); outputs carry
+    `lm_loss`, `aux_loss`, `compression_ratio` (real tokens per concept) and `boundary_prob_mean`. Under
+    μP with `mup_output_scaling` the logits are multiplied by 1 / s_token.
+    """
+
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DLCMConfig) -> None:
+        super().__init__(config)
+        self.model = DLCMModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ratio_accumulator = None
+        self.post_init()
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        if config.mup_base_width is None or not config.mup_output_scaling:
+            return logits
+        return logits / config.mup_token_scale
+
+
+DLCMModel.register_for_auto_class("AutoModel")
+DLCMForCausalLM.register_for_auto_class("AutoModelForCausalLM")
