@@ -1,5 +1,6 @@
 """Training helpers: Trainer integration, optimizer factories, schedules."""
 
+from hf_concept.training.mup import MUP_GROUPS, mup_optimizer, mup_param_groups
 from hf_concept.training.trainer import METRIC_FIELDS, ConceptTrainer
 
-__all__ = ["METRIC_FIELDS", "ConceptTrainer"]
+__all__ = ["METRIC_FIELDS", "MUP_GROUPS", "ConceptTrainer", "mup_optimizer", "mup_param_groups"]
