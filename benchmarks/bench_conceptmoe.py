@@ -23,9 +23,7 @@ untrained cosine router as converted (random q/k, seeded), whose realised R is w
 printed, never tuned. Prints one table per chunking mode (ratios are medians over the repeats) and the
 project's targets (prefill >= 1.5x and decode >= 1.3x at the longest length, KV within 5% of ideal)
 marked met / not met; it asserts none of them. `--profile` adds a per-section time breakdown of the
-converted model (perf_counter around its stages, wrapped at run time: no model file is changed) and a
-what-if run in which the concept layers get no mask (sdpa's `is_causal` kernel) wherever their boolean
-mask is plain causal attention, after checking that this gives the same logits.
+converted model (perf_counter around its stages, wrapped at run time: no model file is changed).
 The default model (12 layers, width 256, 4 heads, 2 KV heads, MLP 1024, vocabulary 8192) runs the full
 default benchmark, profile included, in about 3 minutes on 2 cores.
 
@@ -52,7 +50,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_concept.conversion.sources import plain_config_from_source, plain_tensors
-from hf_concept.modeling import modeling_conceptmoe
+from hf_concept.modeling import concept_stack, modeling_conceptmoe
 from hf_concept.modeling.concept_cache import ConceptCache
 from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
@@ -383,7 +381,7 @@ def sections_of(model: ConceptMoEForCausalLM) -> Iterator[Sections]:
     inner = model.model
     sections.wrap(inner, "forward", "model forward (all below)")
     # The model calls the plain family's mask builder through the class: wrap it there, restored after.
-    sections.wrap(modeling_conceptmoe.PlainDecoderModel, "attention_masks", "token masks (masking_utils)")
+    sections.wrap(concept_stack.PlainDecoderModel, "attention_masks", "token masks (masking_utils)")
     for stage in ("encoder_layers", "concept_layers", "decoder_layers"):
         for layer in getattr(inner, stage):
             sections.wrap(layer, "forward", f"{stage} (all)")
@@ -391,7 +389,7 @@ def sections_of(model: ConceptMoEForCausalLM) -> Iterator[Sections]:
     sections.wrap(inner, "boundaries", "  boundaries (router/fixed)")
     sections.wrap(modeling_conceptmoe, "emit_concepts", "  emit_concepts (pooling, slots)")
     sections.wrap(inner, "run_concept_model", "  run_concept_model (incl. concept layers)")
-    sections.wrap(modeling_conceptmoe, "concept_attention_mask", "    concept_attention_mask")
+    sections.wrap(concept_stack, "concept_attention_mask", "    concept_attention_mask")
     sections.wrap(inner, "continue_ema", "  continue_ema")
     sections.wrap(inner, "read_concepts", "  read_concepts")
     sections.wrap(model.lm_head, "forward", "lm_head")
@@ -399,22 +397,6 @@ def sections_of(model: ConceptMoEForCausalLM) -> Iterator[Sections]:
         yield sections
     finally:
         sections.restore()
-
-
-def causal_shortcut_mask(valid, documents, positions, num_queries, sliding_window):
-    """What-if for the profile: None (the kernel's `is_causal` path) where the concept mask is exactly
-    plain causal attention (every slot valid, one document, no window cut, queries = all slots or one)."""
-    num_keys = valid.shape[1]
-    plain = (
-        bool(valid.all())
-        and bool((documents == documents[:, :1]).all())
-        and (sliding_window is None or num_keys <= sliding_window)
-        and num_queries in (1, num_keys)
-    )
-    return None if plain else ORIGINAL_CONCEPT_MASK(valid, documents, positions, num_queries, sliding_window)
-
-
-ORIGINAL_CONCEPT_MASK = modeling_conceptmoe.concept_attention_mask
 
 
 def profile_one(model, input_ids: torch.Tensor, steps: int) -> tuple[Sample, dict, dict]:
@@ -432,8 +414,8 @@ def profile_one(model, input_ids: torch.Tensor, steps: int) -> tuple[Sample, dic
 
 
 def profile_converted(models: dict, args: argparse.Namespace) -> None:
-    """Where the converted models' time goes at the longest length, and a what-if: the concept layers
-    given no mask (sdpa's is_causal kernel) where their boolean mask is plain causal attention."""
+    """Where the converted models' time goes at the longest length (sdpa already gets no mask where the
+    concept layers' mask is plain causal attention, so the former what-if run is gone)."""
     length = max(args.seq_lens)
     input_ids = prompt(length, args.vocab, args.seed + 3)
     steps = max(args.decode_tokens, 1)
@@ -453,23 +435,6 @@ def profile_converted(models: dict, args: argparse.Namespace) -> None:
         print(f"  {'section':<46} {'prefill ms':>10} {'decode ms/step':>14}")
         for key in sorted(prefill, key=lambda item: -prefill[item]):
             print(f"  {key:<46} {prefill[key] * 1e3:>10.1f} {decode.get(key, 0.0) * 1e3:>14.3f}")
-        check_ids = input_ids[:, :256]
-        with torch.inference_mode():
-            expected = model(input_ids=check_ids).logits
-            modeling_conceptmoe.concept_attention_mask = causal_shortcut_mask
-            try:
-                actual = model(input_ids=check_ids).logits
-                run_once(model, input_ids, 1)
-                what_if = run_once(model, input_ids, steps)
-            finally:
-                modeling_conceptmoe.concept_attention_mask = ORIGINAL_CONCEPT_MASK
-        torch.testing.assert_close(actual, expected, atol=EXACTNESS_TOLERANCE, rtol=EXACTNESS_TOLERANCE)
-        print(
-            f"  what-if, no mask where the concept mask is plain causal (same logits): prefill "
-            f"{what_if.prefill_s * 1e3:.1f} ms ({source.prefill_s / what_if.prefill_s:.2f}x source), "
-            f"decode {what_if.decode_s / steps * 1e3:.2f} ms/step "
-            f"({source.decode_s / what_if.decode_s:.2f}x source)"
-        )
 
 
 # ------------------------------------------------------------------------------------------------ main

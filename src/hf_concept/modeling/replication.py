@@ -165,18 +165,23 @@ def concept_attention_counted(
     counts: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """(B, H, L, K): softmax over slots of q·k_n·scale + log(count_n); `counts` (B, L, N), zeros give 0."""
+    """(B, H, L, K): softmax over slots of q·k_n·scale + log(count_n); `counts` (B, L, N), zeros give 0.
+
+    SDPA with log(count) as its float mask: the same function as the replicated form, N slots per query
+    instead of L positions."""
     num_heads, head_dim = query_states.shape[1], query_states.shape[-1]
     if counts.dim() != 3 or counts.shape[2] != concept_k.shape[2]:
         raise ValueError(f"counts must be (B, L, N) with N = {concept_k.shape[2]}, got {tuple(counts.shape)}")
     scale = head_dim**-0.5 if scale is None else scale
-    key_states = _expand_heads(concept_k, num_heads)
-    value_states = _expand_heads(concept_v, num_heads)
-    # (B, H, L, N)
-    scores = torch.matmul(query_states, key_states.transpose(-1, -2)) * scale
-    log_counts = torch.log(counts.to(scores.dtype)).unsqueeze(1)
-    sees_something = (counts > 0).any(dim=-1).view(counts.shape[0], 1, -1, 1)
-    logits = torch.where(sees_something, scores + log_counts, 0.0)
-    weights = torch.softmax(logits, dim=-1)
+    sees_something = (counts > 0).any(dim=-1)  # (B, L)
+    # log(count) as an additive mask (-inf where 0); rows that see nothing get zeros, then a zero output.
+    log_counts = torch.log(counts.to(query_states.dtype)).masked_fill(~sees_something[..., None], 0.0)
+    attended = F.scaled_dot_product_attention(
+        query_states,
+        _expand_heads(concept_k, num_heads),
+        _expand_heads(concept_v, num_heads),
+        attn_mask=log_counts.unsqueeze(1),
+        scale=scale,
+    )
     # (B, H, L, K)
-    return torch.matmul(weights, value_states).masked_fill(~sees_something, 0.0)
+    return attended.masked_fill(~sees_something[:, None, :, None], 0.0)

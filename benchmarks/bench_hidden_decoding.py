@@ -1,0 +1,486 @@
+"""Hidden Decoding against its own source model: training-step cost, KV-cache bytes and decode speed vs n.
+
+Legend: L tokens per row, n streams, D width, B batch; "expanded" length is n·L. Layouts: "all-full"
+(every layer causal over the n·L expanded positions, as the public HD release runs), "1-in-4"
+(`default_stream_layout(layers, 4)`: every fourth layer full, the others intra-stream, HD Appendix H),
+"all-intra" (no cross-stream layer; KV only) and "1-in-4 shared" (`stream_kv="shared"`, HD §5.2: intra
+layers keep only the final stream's keys and values; KV only).
+
+One process builds a seeded random `PlainDecoderForCausalLM` (fp32, sdpa) as the source and, for each
+(layout, n), a `HiddenDecodingForCausalLM` with the same weights (its n embedding tables all copies of the
+source table, i.e. `E.repeat(1, n)`). Before timing it checks that n = 1 reproduces the source's logits
+(assert_close, 1e-4) for each layout, so every ratio compares the same network. Then:
+
+1. training step (forward + backward of the next-token loss, batch 1, L = `--seq-len`) for n in
+   `--streams`, per layout, as a ratio to that layout's n = 1 step; rounds interleave every model, so
+   machine noise hits them alike; medians over `--repeats` rounds after one warm-up step each. Printed
+   beside it: the ratio that an operation count predicts (matmul multiply-adds, forward: projections and
+   MLP grow n×, intra attention n×, full attention n²×, the LM head runs on the final stream only), and
+   the source's step for scale. The issue's target: 1-in-4 at n = 4 costs <= 4.6x the n = 1 step (the
+   paper measured 5.1x and 4.4x at 80B/617B; all-full attention alone would approach 16x).
+2. KV-cache bytes per token after a prefill of `--kv-prompt` tokens: `StreamCache.num_bytes()` against
+   the source's `DynamicCache` key/value bytes, with the ratio the layout implies (per_stream: every layer
+   holds n·L entries; shared: intra layers hold L).
+3. decode: `--decode-tokens` greedy cached steps after a `--decode-prompt`-token prefill, at each batch
+   size in `--decode-batches`, tokens per second against the source's (interleaved rounds, medians).
+4. profile: one 1-in-4 training step per n under `torch.profiler`, self CPU time split into attention
+   kernels (sdpa forward and backward), matmuls and everything else: where the ratio of part 1 comes from.
+
+Prints one table per part and the target, marked met / not met; it asserts none of them. `--quick` runs
+minuscule sizes once (a smoke run). The defaults (8 layers, width 256, 4 heads, 2 KV heads, MLP 1024,
+vocabulary 8192, L = 1024: the ConceptMoE benchmark's widths) take about 5 minutes on 2 CPU cores;
+n = 8 all-full dominates.
+
+    python benchmarks/bench_hidden_decoding.py [--seq-len 1024] [--streams 1,2,4,8] [--repeats 5]
+        [--layers 8] [--hidden 256] [--intermediate 1024] [--heads 4] [--kv-heads 2] [--vocab 8192]
+        [--kv-prompt 512] [--decode-prompt 128] [--decode-tokens 32] [--decode-streams 1,2,4]
+        [--decode-batches 1,8] [--parts train,kv,decode,profile] [--threads N] [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig, default_stream_layout
+from hf_concept.modeling.configuration_plain import PlainDecoderConfig
+from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
+
+TARGET_STEP_RATIO = 4.6
+TARGET_STREAMS = 4
+EXACTNESS_TOLERANCE = 1e-4
+PARTS = ("train", "kv", "decode", "profile")
+QUICK = dict(
+    layers=4, hidden=32, intermediate=64, heads=4, kv_heads=2, vocab=64, seq_len=32, kv_prompt=16,
+    decode_prompt=8, decode_tokens=3, repeats=1,
+)  # fmt: skip
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",")]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256, help="width D")
+    parser.add_argument("--intermediate", type=int, default=1024, help="MLP width")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (head dim = hidden / heads)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per training row (L)")
+    parser.add_argument("--streams", type=_int_list, default=[1, 2, 4, 8], help="n for the training step")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
+    parser.add_argument("--kv-prompt", type=int, default=512, help="prefill length for the KV bytes")
+    parser.add_argument("--decode-prompt", type=int, default=128, help="prefill length before decoding")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy cached steps timed")
+    parser.add_argument("--decode-streams", type=_int_list, default=[1, 2, 4], help="n for decoding")
+    parser.add_argument("--decode-batches", type=_int_list, default=[1, 8], help="batch sizes for decoding")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--quick", action="store_true", help="minuscule sizes, one round (smoke run)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    args.parts = args.parts.split(",")
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts has {unknown}; choose from {PARTS}")
+    if args.hidden % args.heads != 0:
+        parser.error(f"--hidden={args.hidden} must be divisible by --heads={args.heads}")
+    if 1 not in args.streams:
+        parser.error(f"--streams={args.streams} must include 1 (the baseline of the training ratios)")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def build_source(args: argparse.Namespace) -> PlainDecoderForCausalLM:
+    longest = max(args.seq_len, args.kv_prompt, args.decode_prompt + args.decode_tokens)
+    config = PlainDecoderConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.streams + args.decode_streams) * longest + 16,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    return PlainDecoderForCausalLM(config).eval()
+
+
+def layouts(layers: int) -> dict[str, tuple[list[str], str]]:
+    """Name -> (stream_attention_layout, stream_kv)."""
+    one_in_four = default_stream_layout(layers, 4)
+    return {
+        "all-full": (["full"] * layers, "per_stream"),
+        "1-in-4": (one_in_four, "per_stream"),
+        "all-intra": (["intra"] * layers, "per_stream"),
+        "1-in-4 shared": (one_in_four, "shared"),
+    }
+
+
+def hidden_decoding_from(
+    source: PlainDecoderForCausalLM, streams: int, layout: list[str], stream_kv: str
+) -> HiddenDecodingForCausalLM:
+    """The source's weights in an HD model: n copies of the embedding table, everything else as is."""
+    fields = source.config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype"):
+        fields.pop(key, None)
+    # layer_types follows the layout in HD configs.
+    fields.pop("layer_types", None)
+    config = HiddenDecodingConfig(
+        **fields, num_streams=streams, stream_attention_layout=list(layout), stream_kv=stream_kv
+    )
+    config._attn_implementation = "sdpa"
+    model = HiddenDecodingForCausalLM(config)
+    state = dict(source.state_dict())
+    # (V, n·D): row v = [E(v) | E(v) | ...]
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].repeat(1, streams)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def check_exactness(source: PlainDecoderForCausalLM, models: dict, args: argparse.Namespace) -> float:
+    """Every n = 1 model reproduces the source's logits; returns the largest difference."""
+    input_ids = prompt(1, min(64, args.seq_len), args.vocab, args.seed + 1)
+    worst = 0.0
+    with torch.inference_mode():
+        expected = source(input_ids=input_ids, use_cache=False).logits
+        for (_, streams), model in models.items():
+            if streams == 1:
+                actual = model(input_ids=input_ids, use_cache=False).logits
+                torch.testing.assert_close(
+                    actual, expected, atol=EXACTNESS_TOLERANCE, rtol=EXACTNESS_TOLERANCE
+                )
+                worst = max(worst, (actual - expected).abs().max().item())
+    return worst
+
+
+def prompt(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+
+def interleaved_medians(calls: dict[object, Callable[[], float]], repeats: int, label: str) -> dict:
+    """Median of the seconds each call reports; one warm-up each, then `repeats` rounds that run every
+    call in turn (so machine noise hits all of them alike)."""
+    for call in calls.values():
+        call()
+    seconds = defaultdict(list)
+    for repeat in range(repeats):
+        for key, call in calls.items():
+            seconds[key].append(call())
+        print(f"  {label}: round {repeat + 1}/{repeats} done", flush=True)
+    return {key: statistics.median(values) for key, values in seconds.items()}
+
+
+def training_step(model, input_ids: torch.Tensor) -> Callable[[], float]:
+    """A call that runs forward + backward of the next-token loss and returns its seconds."""
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return time.perf_counter() - start
+
+    return step
+
+
+def cache_bytes(cache) -> int:
+    if hasattr(cache, "num_bytes"):
+        return cache.num_bytes()
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(f"cache of type {type(cache).__name__} is not measured here")
+    tensors = [
+        tensor for layer in cache.layers if layer.is_initialized for tensor in (layer.keys, layer.values)
+    ]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def prefill(model, input_ids: torch.Tensor):
+    """(cache, next token (B, 1)) after one cached forward over the prompt."""
+    output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    return output.past_key_values, output.logits[:, -1].argmax(dim=-1, keepdim=True)
+
+
+def greedy_decode(model, input_ids: torch.Tensor, steps: int) -> Callable[[], float]:
+    """A call that prefills (untimed) and returns the seconds of `steps` greedy cached steps."""
+
+    def run() -> float:
+        with torch.inference_mode():
+            cache, next_token = prefill(model, input_ids)
+            start = time.perf_counter()
+            for _ in range(steps):
+                output = model(input_ids=next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
+            return time.perf_counter() - start
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------ estimating
+
+
+def forward_macs(args: argparse.Namespace, layout: list[str], streams: int, length: int) -> float:
+    """Matmul multiply-adds of one forward: the count the measured ratios are compared with."""
+    head_dim = args.hidden // args.heads
+    projections = 2 * args.hidden * args.heads * head_dim + 2 * args.hidden * args.kv_heads * head_dim
+    per_token_layer = projections + 3 * args.hidden * args.intermediate
+    # Causal attention: query t reads t + 1 keys; scores and the weighted sum each cost head_dim per key.
+    causal_pairs = lambda size: size * (size + 1) / 2  # noqa: E731
+    attention = 0.0
+    for kind in layout:
+        pairs = streams * causal_pairs(length) if kind == "intra" else causal_pairs(streams * length)
+        attention += 2 * args.heads * head_dim * pairs
+    lm_head = length * args.hidden * args.vocab
+    return streams * length * len(layout) * per_token_layer + attention + lm_head
+
+
+def attention_share(args: argparse.Namespace, layers: int, length: int) -> float:
+    """Fraction of the n = 1 forward's multiply-adds spent in attention scores and weighted sums."""
+    total = forward_macs(args, ["full"] * layers, 1, length)
+    without = total - 2 * args.hidden * layers * length * (length + 1) / 2
+    return 1 - without / total
+
+
+# ------------------------------------------------------------------------------------------------ parts
+
+
+def bench_training(source, args: argparse.Namespace) -> list[dict]:
+    shapes = {name: value for name, value in layouts(args.layers).items() if name in ("all-full", "1-in-4")}
+    models = {
+        (name, streams): hidden_decoding_from(source, streams, layout, stream_kv).train()
+        for name, (layout, stream_kv) in shapes.items()
+        for streams in args.streams
+    }
+    difference = check_exactness(source, models, args)
+    print(f"exactness: n=1 HD logits equal the source's for both layouts (max |diff| {difference:.2e})")
+    input_ids = prompt(1, args.seq_len, args.vocab, args.seed + 2)
+    calls = {key: training_step(model, input_ids) for key, model in models.items()}
+    calls["source"] = training_step(source.train(), input_ids)
+    seconds = interleaved_medians(calls, args.repeats, f"training L={args.seq_len}")
+    source.eval()
+    rows = []
+    for (name, streams), _ in models.items():
+        layout = shapes[name][0]
+        rows.append(
+            dict(
+                layout=name,
+                streams=streams,
+                step_ms=seconds[(name, streams)] * 1e3,
+                ratio=seconds[(name, streams)] / seconds[(name, 1)],
+                estimate=forward_macs(args, layout, streams, args.seq_len)
+                / forward_macs(args, layout, 1, args.seq_len),
+                source_ms=seconds["source"] * 1e3,
+            )
+        )
+    del models, calls
+    return rows
+
+
+def bench_kv(source, args: argparse.Namespace) -> list[dict]:
+    input_ids = prompt(1, args.kv_prompt, args.vocab, args.seed + 3)
+    with torch.inference_mode():
+        source_bytes = cache_bytes(prefill(source, input_ids)[0])
+        rows = []
+        for name, (layout, stream_kv) in layouts(args.layers).items():
+            for streams in args.streams:
+                model = hidden_decoding_from(source, streams, layout, stream_kv)
+                kv_bytes = cache_bytes(prefill(model, input_ids)[0])
+                held = sum(1 if kind == "intra" and stream_kv == "shared" else streams for kind in layout)
+                rows.append(
+                    dict(
+                        layout=name,
+                        streams=streams,
+                        bytes_per_token=kv_bytes / args.kv_prompt,
+                        ratio=kv_bytes / source_bytes,
+                        expected=held / len(layout),
+                        source_bytes_per_token=source_bytes / args.kv_prompt,
+                    )
+                )
+    return rows
+
+
+def bench_decode(source, args: argparse.Namespace) -> list[dict]:
+    shapes = {name: value for name, value in layouts(args.layers).items() if name in ("all-full", "1-in-4")}
+    models = {"source": source}
+    for name, (layout, stream_kv) in shapes.items():
+        for streams in args.decode_streams:
+            models[(name, streams)] = hidden_decoding_from(source, streams, layout, stream_kv)
+    rows = []
+    for batch in args.decode_batches:
+        input_ids = prompt(batch, args.decode_prompt, args.vocab, args.seed + 4)
+        calls = {key: greedy_decode(model, input_ids, args.decode_tokens) for key, model in models.items()}
+        seconds = interleaved_medians(calls, args.repeats, f"decode B={batch}")
+        rates = {key: batch * args.decode_tokens / value for key, value in seconds.items()}
+        for key in models:
+            if key != "source":
+                name, streams = key
+                rows.append(
+                    dict(
+                        layout=name,
+                        streams=streams,
+                        batch=batch,
+                        source_rate=rates["source"],
+                        rate=rates[key],
+                        ratio=rates[key] / rates["source"],
+                    )
+                )
+    return rows
+
+
+def step_breakdown(model, input_ids: torch.Tensor) -> dict[str, float]:
+    """Milliseconds of one training step by kind of kernel (torch.profiler, self CPU time): attention
+    (sdpa forward and backward), matmul, everything else (norms, RoPE, copies for folding/interleaving)."""
+    step = training_step(model, input_ids)
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step()
+    kinds = dict(attention=0.0, matmul=0.0, other=0.0)
+    for event in profile.key_averages():
+        if "scaled_dot_product" in event.key:
+            kind = "attention"
+        elif event.key in ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear"):
+            kind = "matmul"
+        else:
+            kind = "other"
+        kinds[kind] += event.self_cpu_time_total / 1e3
+    return kinds
+
+
+def bench_breakdown(source, args: argparse.Namespace) -> list[dict]:
+    """Where the 1-in-4 step's time goes at each n: the attention share explains the ratio."""
+    layout, stream_kv = layouts(args.layers)["1-in-4"]
+    input_ids = prompt(1, args.seq_len, args.vocab, args.seed + 2)
+    rows = []
+    for streams in args.streams:
+        model = hidden_decoding_from(source, streams, layout, stream_kv).train()
+        rows.append(dict(layout="1-in-4", streams=streams, **step_breakdown(model, input_ids)))
+        del model
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- printing
+
+
+def print_training(rows: list[dict], args: argparse.Namespace) -> None:
+    share = attention_share(args, args.layers, args.seq_len)
+    print(
+        f"\n[training step: forward + backward, batch 1, L={args.seq_len}, sdpa; source step "
+        f"{rows[0]['source_ms']:.1f} ms; attention is {share:.1%} of the n=1 forward's multiply-adds]"
+    )
+    print(f"{'layout':<10} {'n':>2} {'expanded':>8} {'step ms':>10} {'x n=1':>7} {'x est.':>7}")
+    for row in rows:
+        print(
+            f"{row['layout']:<10} {row['streams']:>2} {row['streams'] * args.seq_len:>8} "
+            f"{row['step_ms']:>10.1f} {row['ratio']:>7.2f} {row['estimate']:>7.2f}"
+        )
+    target = [row for row in rows if row["layout"] == "1-in-4" and row["streams"] == TARGET_STREAMS]
+    if target:
+        ratio = target[0]["ratio"]
+        verdict = "met" if ratio <= TARGET_STEP_RATIO else "NOT met"
+        print(
+            f"target: 1-in-4 at n={TARGET_STREAMS} <= {TARGET_STEP_RATIO}x the n=1 step: "
+            f"{ratio:.2f}x {verdict}"
+        )
+
+
+def print_breakdown(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"\n[profile: one 1-in-4 training step, L={args.seq_len}, self CPU ms by kernel kind]")
+    print(f"{'n':>2} {'attention':>10} {'matmul':>10} {'other':>10} {'attn %':>7} {'x n=1':>7}")
+    base = sum(rows[0][kind] for kind in ("attention", "matmul", "other"))
+    for row in rows:
+        total = row["attention"] + row["matmul"] + row["other"]
+        print(
+            f"{row['streams']:>2} {row['attention']:>10.1f} {row['matmul']:>10.1f} {row['other']:>10.1f} "
+            f"{row['attention'] / total:>7.1%} {total / base:>7.2f}"
+        )
+
+
+def print_kv(rows: list[dict], args: argparse.Namespace) -> None:
+    print(
+        f"\n[KV cache after a {args.kv_prompt}-token prefill, fp32; source DynamicCache "
+        f"{rows[0]['source_bytes_per_token']:.0f} bytes/token]"
+    )
+    print(f"{'layout':<14} {'n':>2} {'bytes/token':>11} {'x source':>8} {'expected':>8}")
+    for row in rows:
+        print(
+            f"{row['layout']:<14} {row['streams']:>2} {row['bytes_per_token']:>11.0f} "
+            f"{row['ratio']:>8.3f} {row['expected']:>8.3f}"
+        )
+
+
+def print_decode(rows: list[dict], args: argparse.Namespace) -> None:
+    print(
+        f"\n[decode: {args.decode_tokens} greedy cached steps after a {args.decode_prompt}-token prefill; "
+        "tokens/s over the batch]"
+    )
+    print(f"{'layout':<10} {'n':>2} {'batch':>5} {'src tok/s':>10} {'HD tok/s':>10} {'x source':>8}")
+    for row in rows:
+        print(
+            f"{row['layout']:<10} {row['streams']:>2} {row['batch']:>5} {row['source_rate']:>10.1f} "
+            f"{row['rate']:>10.1f} {row['ratio']:>8.2f}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def _load() -> str:
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    source = build_source(args)
+    print(
+        f"source: PlainDecoderForCausalLM layers={args.layers} hidden={args.hidden} "
+        f"intermediate={args.intermediate} heads={args.heads} kv_heads={args.kv_heads} vocab={args.vocab} "
+        f"fp32 sdpa; 1-in-4 layout {default_stream_layout(args.layers, 4)}; "
+        f"threads={torch.get_num_threads()} torch={torch.__version__}; load average {_load()}"
+    )
+    if os.getloadavg()[0] > 0.5 * len(os.sched_getaffinity(0)):
+        # On a 2-core VM another busy process slows each threaded kernel many times over, unevenly.
+        print("WARNING: the machine is busy (load above); timings and ratios of this run are unreliable")
+    figures = {}
+    if "train" in args.parts:
+        figures["train"] = bench_training(source, args)
+        print_training(figures["train"], args)
+    if "kv" in args.parts:
+        figures["kv"] = bench_kv(source, args)
+        print_kv(figures["kv"], args)
+    if "decode" in args.parts:
+        figures["decode"] = bench_decode(source, args)
+        print_decode(figures["decode"], args)
+    if "profile" in args.parts:
+        figures["profile"] = bench_breakdown(source, args)
+        print_breakdown(figures["profile"], args)
+    # Other processes on a small machine skew every ratio: the load before and after shows whether they ran.
+    print(f"\nload average at the end {_load()} (1, 5, 15 min; {len(os.sched_getaffinity(0))} cores)")
+    if args.json is not None:
+        with open(args.json, "w") as handle:
+            json.dump(figures, handle, indent=1)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
