@@ -47,12 +47,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_concept.conversion.sources import plain_config_from_source, plain_tensors
 from hf_concept.modeling import concept_stack, modeling_conceptmoe
 from hf_concept.modeling.concept_cache import ConceptCache
 from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
+from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
 try:
@@ -206,17 +207,6 @@ def concepts_so_far(cache) -> int | None:
     return None
 
 
-def cache_bytes(cache) -> int:
-    if isinstance(cache, ConceptCache):
-        return cache.num_bytes()
-    if not isinstance(cache, DynamicCache):
-        raise ValueError(f"cache of type {type(cache).__name__} is not measured here")
-    tensors = [
-        tensor for layer in cache.layers if layer.is_initialized for tensor in (layer.keys, layer.values)
-    ]
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
 def run_once(
     model, input_ids: torch.Tensor, decode_tokens: int, on_prefilled: Callable[[], None] | None = None
 ) -> Sample:
@@ -226,7 +216,7 @@ def run_once(
         output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
         cache = output.past_key_values
-        kv_bytes = cache_bytes(cache)
+        kv_bytes = cache_num_bytes(cache)
         ratio = getattr(output, "compression_ratio", None)
         next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
         concepts_before = concepts_so_far(cache)

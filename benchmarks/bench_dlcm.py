@@ -45,11 +45,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
-from hf_concept.modeling.concept_cache import ConceptCache
 from hf_concept.modeling.configuration_dlcm import DLCMConfig
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
+from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
 from hf_concept.modeling.replication import concept_attention_counted, replicated_concept_attention
@@ -389,17 +388,6 @@ def build_plain(args: argparse.Namespace, target: int) -> PlainDecoderForCausalL
     return PlainDecoderForCausalLM(config).to(torch.float32).eval()
 
 
-def cache_bytes(cache) -> int:
-    if isinstance(cache, ConceptCache):
-        return cache.num_bytes()
-    if not isinstance(cache, DynamicCache):
-        raise ValueError(f"cache of type {type(cache).__name__} is not measured here")
-    tensors = [
-        tensor for layer in cache.layers if layer.is_initialized for tensor in (layer.keys, layer.values)
-    ]
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
 def ideal_kv_ratio(dlcm: DLCMConfig, plain: PlainDecoderConfig) -> float:
     """K/V floats per token: token layers per token, concept and cross-attention layers per concept."""
     token = (dlcm.encoder_layers + dlcm.decoder_layers) * dlcm.num_key_value_heads * dlcm.head_dim
@@ -437,8 +425,8 @@ def model_row(dlcm, plain, args: argparse.Namespace, length: int) -> dict[str, f
         "plain_forward": lambda: forward(plain, input_ids),
     }
     medians = interleaved(calls, args.repeats, warm_up=False)
-    dlcm_bytes = cache_bytes(dlcm_prefilled.past_key_values) / length
-    plain_bytes = cache_bytes(plain_prefilled.past_key_values) / length
+    dlcm_bytes = cache_num_bytes(dlcm_prefilled.past_key_values) / length
+    plain_bytes = cache_num_bytes(plain_prefilled.past_key_values) / length
     return dict(
         length=length,
         realised=realised,

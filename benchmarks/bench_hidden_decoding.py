@@ -48,10 +48,10 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache
 
 from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig, default_stream_layout
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
+from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
 
@@ -204,17 +204,6 @@ def training_step(model, input_ids: torch.Tensor) -> Callable[[], float]:
     return step
 
 
-def cache_bytes(cache) -> int:
-    if hasattr(cache, "num_bytes"):
-        return cache.num_bytes()
-    if not isinstance(cache, DynamicCache):
-        raise ValueError(f"cache of type {type(cache).__name__} is not measured here")
-    tensors = [
-        tensor for layer in cache.layers if layer.is_initialized for tensor in (layer.keys, layer.values)
-    ]
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
 def prefill(model, input_ids: torch.Tensor):
     """(cache, next token (B, 1)) after one cached forward over the prompt."""
     output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
@@ -299,12 +288,12 @@ def bench_training(source, args: argparse.Namespace) -> list[dict]:
 def bench_kv(source, args: argparse.Namespace) -> list[dict]:
     input_ids = prompt(1, args.kv_prompt, args.vocab, args.seed + 3)
     with torch.inference_mode():
-        source_bytes = cache_bytes(prefill(source, input_ids)[0])
+        source_bytes = cache_num_bytes(prefill(source, input_ids)[0])
         rows = []
         for name, (layout, stream_kv) in layouts(args.layers).items():
             for streams in args.streams:
                 model = hidden_decoding_from(source, streams, layout, stream_kv)
-                kv_bytes = cache_bytes(prefill(model, input_ids)[0])
+                kv_bytes = cache_num_bytes(prefill(model, input_ids)[0])
                 held = sum(1 if kind == "intra" and stream_kv == "shared" else streams for kind in layout)
                 rows.append(
                     dict(

@@ -62,3 +62,13 @@ def adopt_cache(
             f"from a {own}"
         )
     return new_cache()
+
+
+def cache_num_bytes(cache: Cache) -> int:
+    """Bytes a cache holds: its own `num_bytes()` (our caches count their state too), else the keys and
+    values of its layers (transformers' `DynamicCache` and friends)."""
+    if hasattr(cache, "num_bytes"):
+        return cache.num_bytes()
+    if not isinstance(cache, Cache):
+        raise ValueError(f"cache of type {type(cache).__name__} is not a transformers Cache")
+    return ForwardOnlyCache.layer_bytes(cache)
