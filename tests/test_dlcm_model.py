@@ -192,3 +192,13 @@ def test_derived_stage_defaults_and_round_trip(tmp_path):
     wide.save_pretrained(tmp_path)
     loaded = DLCMConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == wide.to_dict()
+
+
+def test_decoder_mlp_width_is_its_own_field_and_the_planner_counts_it():
+    from hf_concept.planning import DLCMSpec, parameter_count
+
+    model = dlcm(decoder_intermediate_size=40)
+    assert model.model.decoder_layers[0].mlp.up_proj.out_features == 40
+    assert model.model.encoder_layers[0].mlp.up_proj.out_features == BACKBONE["intermediate_size"]
+    expected = sum(parameter.numel() for parameter in model.parameters())
+    assert parameter_count(DLCMSpec.from_config(model.config)) == expected

@@ -224,6 +224,7 @@ class DLCMSpec:
     concept_num_key_value_heads: int | None = None
     concept_head_dim: int | None = None
     concept_intermediate_size: int | None = None
+    decoder_intermediate_size: int | None = None
     cross_num_attention_heads: int | None = None
     cross_num_key_value_heads: int | None = None
     cross_head_dim: int | None = None
@@ -268,6 +269,8 @@ class DLCMSpec:
             _is_int(value) and value > 0 for value in (self.intermediate_size, width, self.hidden_size)
         ):
             self.concept_intermediate_size = self.intermediate_size * width // self.hidden_size
+        if self.decoder_intermediate_size is None:
+            self.decoder_intermediate_size = self.intermediate_size
         if self.cross_num_attention_heads is None:
             self.cross_num_attention_heads = self.num_attention_heads
         if self.cross_num_key_value_heads is None:
@@ -311,6 +314,7 @@ _DLCM_SIZES = (
     "concept_num_key_value_heads",
     "concept_head_dim",
     "concept_intermediate_size",
+    "decoder_intermediate_size",
     "cross_num_attention_heads",
     "cross_num_key_value_heads",
     "cross_head_dim",
@@ -406,13 +410,13 @@ def _cross_attention_parameters(spec: DLCMSpec) -> int:
     return projections + 2 * spec.cross_head_dim + spec.hidden_size
 
 
-def _token_layer(spec: BaselineSpec | DLCMSpec) -> int:
+def _token_layer(spec: BaselineSpec | DLCMSpec, intermediate: int | None = None) -> int:
     return _layer_parameters(
         spec.hidden_size,
         spec.num_attention_heads,
         spec.num_key_value_heads,
         spec.head_dim,
-        spec.intermediate_size,
+        spec.intermediate_size if intermediate is None else intermediate,
         spec,
     )
 
@@ -451,7 +455,7 @@ def parameter_groups(spec: BaselineSpec | DLCMSpec) -> dict[str, int]:
         "model.concept_norm": concept_width,
         "model.smoothing": concept_width * concept_width,
         "model.decoder_layers": spec.decoder_layers
-        * (_token_layer(spec) + _cross_attention_parameters(spec)),
+        * (_token_layer(spec, spec.decoder_intermediate_size) + _cross_attention_parameters(spec)),
         "model.norm": width,
         "lm_head": lm_head,
     }
@@ -502,14 +506,21 @@ def _attention_matmul_weights(width: int, heads: int, kv_heads: int, head_dim: i
     return 2 * width * heads * head_dim + 2 * width * kv_heads * head_dim
 
 
-def _token_stage(spec: BaselineSpec | DLCMSpec, name: str, layers: int, context_length: int) -> Stage:
+def _token_stage(
+    spec: BaselineSpec | DLCMSpec,
+    name: str,
+    layers: int,
+    context_length: int,
+    intermediate: int | None = None,
+) -> Stage:
     """`layers` plain layers at d_token: self-attention over the tokens and a gated MLP."""
     width, head_dim = spec.hidden_size, spec.head_dim
+    intermediate = spec.intermediate_size if intermediate is None else intermediate
     weights = _attention_matmul_weights(width, spec.num_attention_heads, spec.num_key_value_heads, head_dim)
     return Stage(
         name=name,
         runs_per_token=1.0,
-        matmul_weights=layers * (weights + 3 * width * spec.intermediate_size),
+        matmul_weights=layers * (weights + 3 * width * intermediate),
         attention_width=layers * spec.num_attention_heads * head_dim,
         decode_keys=float(context_length),
         training_keys=(context_length + 1) / 2,
@@ -551,7 +562,7 @@ def _dlcm_stages(spec: DLCMSpec, context_length: int, cross_attention: str) -> l
             matmul_weights=decoders * 2 * concept_width * cross_key_value,
             kv_entries=decoders * 2 * cross_key_value,
         ),
-        _token_stage(spec, "decoder_self", decoders, context_length),
+        _token_stage(spec, "decoder_self", decoders, context_length, spec.decoder_intermediate_size),
         Stage(
             name="decoder_cross",
             runs_per_token=1.0,

@@ -1,7 +1,8 @@
 """Configuration of the DLCM family (model_type "dlcm"): Dynamic Large Concept Models.
 
 Token stages (encoder, and the decoder's self-attention and MLPs) use the plain family's fields at width
-`hidden_size` (d_token). The concept stage has its own width `concept_hidden_size` (d_concept), heads,
+`hidden_size` (d_token); the decoder layers' MLP width is `decoder_intermediate_size` (default: the
+encoder's `intermediate_size`). The concept stage has its own width `concept_hidden_size` (d_concept), heads,
 head dim and MLP width; the decoder's cross-attention its own heads and common head dim
 (`cross_head_dim`, eq. 12–13). `num_hidden_layers` is derived: encoder + concept + decoder layers.
 
@@ -52,6 +53,7 @@ class DLCMConfig(PlainDecoderConfig):
     concept_num_key_value_heads: int | None = None
     concept_head_dim: int | None = None
     concept_intermediate_size: int | None = None
+    decoder_intermediate_size: int | None = None
     cross_num_attention_heads: int | None = None
     cross_num_key_value_heads: int | None = None
     cross_head_dim: int | None = None
@@ -101,6 +103,8 @@ class DLCMConfig(PlainDecoderConfig):
             _is_int(value) and value > 0 for value in (self.intermediate_size, width, self.hidden_size)
         ):
             self.concept_intermediate_size = self.intermediate_size * width // self.hidden_size
+        if self.decoder_intermediate_size is None:
+            self.decoder_intermediate_size = self.intermediate_size
         if self.cross_num_attention_heads is None:
             self.cross_num_attention_heads = self.num_attention_heads
         if self.cross_num_key_value_heads is None:
@@ -138,6 +142,7 @@ class DLCMConfig(PlainDecoderConfig):
             "concept_num_attention_heads",
             "concept_num_key_value_heads",
             "concept_intermediate_size",
+            "decoder_intermediate_size",
             "cross_num_attention_heads",
             "cross_num_key_value_heads",
         ):

@@ -144,7 +144,7 @@ class DLCMDecoderLayer(GradientCheckpointingLayer):
         self.cross_attention_layernorm = RMSNorm(width, eps=eps)
         self.cross_attn = ConceptCrossAttention(config)
         self.post_attention_layernorm = RMSNorm(width, eps=eps)
-        self.mlp = MLP(width, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+        self.mlp = MLP(width, config.decoder_intermediate_size, config.hidden_act, bias=config.mlp_bias)
 
     def forward(
         self,
