@@ -202,3 +202,29 @@ def test_decoder_mlp_width_is_its_own_field_and_the_planner_counts_it():
     assert model.model.encoder_layers[0].mlp.up_proj.out_features == BACKBONE["intermediate_size"]
     expected = sum(parameter.numel() for parameter in model.parameters())
     assert parameter_count(DLCMSpec.from_config(model.config)) == expected
+
+
+def test_gpu_varlen_wiring_gives_the_same_logits_with_a_stand_in_kernel(monkeypatch):
+    """Where flash-attn can run, training packs documents for its varlen kernel; here an SDPA stand-in
+    with the same contract takes its place, and the logits equal the SDPA path (padded and packed)."""
+    from hf_concept.modeling import modeling_dlcm
+    from hf_concept.modeling.replication import sdpa_varlen
+
+    model = dlcm()
+    input_ids = ids(2, 12)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :4] = 0
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], list(range(12))])
+    cases = [dict(attention_mask=attention_mask), dict(position_ids=position_ids)]
+    expected = [logits(model, input_ids, False, **case) for case in cases]
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(1)
+        return sdpa_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_dlcm, "flash_varlen_kernel", lambda query: stand_in)
+    for case, reference in zip(cases, expected, strict=True):
+        real = case.get("attention_mask", torch.ones_like(input_ids)).bool()
+        assert_close(logits(model, input_ids, False, **case)[real], reference[real], atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * BACKBONE["decoder_layers"]

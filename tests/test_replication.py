@@ -184,3 +184,24 @@ def test_bad_inputs_raise_value_errors():
     counts = concept_counts(index, mask, starts, concept_k.shape[2])
     with pytest.raises(ValueError, match="counts"):
         concept_attention_counted(query_states[:, :2], concept_k, concept_v, counts[..., :-1])
+
+
+def test_varlen_form_equals_the_reference_on_padded_packed_rows():
+    """The varlen packing (one sequence per document, pads dropped) with an SDPA stand-in for flash-attn's
+    kernel gives the loop reference's outputs and gradients; only the CUDA kernel itself is not run here."""
+    from hf_concept.modeling.replication import replicated_concept_attention_varlen, sdpa_varlen
+
+    case = make_case(ROWS, num_heads=4, kv_heads=2, head_dim=8, seed=5)
+    fast = [t.clone().requires_grad_(True) for t in case[:3]]
+    slow = [t.clone().requires_grad_(True) for t in case[:3]]
+    output = replicated_concept_attention_varlen(*fast, *case[3:], varlen_kernel=sdpa_varlen)
+    expected = concept_attention_loop(*slow, *case[3:])
+    torch.testing.assert_close(output, expected, rtol=1e-10, atol=1e-10)
+    upstream = torch.randn_like(expected)
+    (output * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    for mine, theirs in zip(fast, slow, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-10)
+    no_null = make_case(ROWS, null_concept=False)
+    with pytest.raises(ValueError, match="carry a concept"):
+        replicated_concept_attention_varlen(*no_null, varlen_kernel=sdpa_varlen)

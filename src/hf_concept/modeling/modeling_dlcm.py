@@ -57,7 +57,13 @@ from .concept_stack import (
 from .configuration_dlcm import DLCMConfig
 from .layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from .modeling_plain import init_backbone_weights
-from .replication import concept_attention_counted, concept_counts, replicated_concept_attention
+from .replication import (
+    concept_attention_counted,
+    concept_counts,
+    flash_varlen_kernel,
+    replicated_concept_attention,
+    replicated_concept_attention_varlen,
+)
 
 
 class SmoothingLinear(nn.Linear):
@@ -112,9 +118,22 @@ class ConceptCrossAttention(nn.Module):
         batch, length, _ = token_states.shape
         query = self.q_proj(token_states).view(batch, length, self.num_heads, self.head_dim)
         query = self.q_norm(query).transpose(1, 2)  # (B, Hx, L, Kx)
+        varlen_kernel = flash_varlen_kernel(query) if reading.counts is None else None
         if reading.counts is not None:
             attended = concept_attention_counted(
                 query, concept_keys, concept_values, reading.counts, scale=self.scaling
+            )
+        elif varlen_kernel is not None:
+            # GPU training path (DLCM §4.1): replicated K/V on flash-attn's varlen causal kernel.
+            attended = replicated_concept_attention_varlen(
+                query,
+                concept_keys,
+                concept_values,
+                reading.index,
+                reading.mask,
+                reading.starts,
+                scale=self.scaling,
+                varlen_kernel=varlen_kernel,
             )
         else:
             attended = replicated_concept_attention(

@@ -24,6 +24,8 @@ GQA: query head h reads key/value head h // (H / G), as in transformers' `repeat
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -185,3 +187,99 @@ def concept_attention_counted(
     )
     # (B, H, L, K)
     return attended.masked_fill(~sees_something[:, None, :, None], 0.0)
+
+
+def varlen_layout(mask: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The packed ("varlen") layout of the real tokens: (N,) flat row-major positions of the real tokens,
+    int32 (S + 1,) cumulative sequence lengths with one sequence per document, and the longest one."""
+    real = mask.reshape(-1)
+    positions = torch.nonzero(real).flatten()  # (N,)
+    # A sequence opens at each document start and at each row's first real token.
+    first_real = mask & (torch.cumsum(mask.long(), dim=1) == 1)
+    opens = (starts | first_real).reshape(-1)[positions]
+    boundaries = torch.nonzero(opens).flatten()
+    total = torch.tensor([positions.numel()], device=mask.device)
+    cu_seqlens = torch.cat([boundaries, total]).to(torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if boundaries.numel() else 0
+    return positions, cu_seqlens, max_seqlen
+
+
+def sdpa_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """flash-attn's `flash_attn_varlen_func` contract on SDPA, one sequence at a time: (N, H, K) packed
+    query, (N, G, K) key/value -> (N, H, K). The CPU stand-in the varlen path is tested with."""
+    output = torch.empty_like(query)
+    groups = query.shape[1] // key.shape[1]
+    bounds = cu_seqlens_q.tolist()
+    for start, end in itertools.pairwise(bounds):
+        # (1, H, n, K) per sequence
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        k = key[start:end].transpose(0, 1).unsqueeze(0).repeat_interleave(groups, dim=1)
+        v = value[start:end].transpose(0, 1).unsqueeze(0).repeat_interleave(groups, dim=1)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+        output[start:end] = attended[0].transpose(0, 1)
+    return output
+
+
+def replicated_concept_attention_varlen(
+    query_states: torch.Tensor,
+    concept_k: torch.Tensor,
+    concept_v: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float | None = None,
+    varlen_kernel=None,
+) -> torch.Tensor:
+    """(B, H, L, K): the replicated form on a varlen causal kernel (flash-attn's on GPU, DLCM §4.1):
+    real tokens packed, one sequence per document, so padding and packing need no mask.
+
+    Every real token must carry a concept (`index >= 0`, as DLCM's null concept ensures); pads get zeros.
+    `varlen_kernel` defaults to `flash_attn.flash_attn_varlen_func` (the `gpu` extra).
+    """
+    if bool(((index < 0) & mask).any()):
+        raise ValueError("the varlen form needs every real token to carry a concept (index >= 0)")
+    if varlen_kernel is None:
+        from flash_attn import flash_attn_varlen_func as varlen_kernel
+    batch, num_heads, length, head_dim = query_states.shape
+    key_states, value_states = replicate_concept_kv(concept_k, concept_v, index)  # (B, G, L, K)
+    positions, cu_seqlens, max_seqlen = varlen_layout(mask, starts)
+
+    def packed(states: torch.Tensor) -> torch.Tensor:
+        # (B, X, L, K) -> (N, X, K)
+        return states.transpose(1, 2).reshape(batch * length, states.shape[1], head_dim)[positions]
+
+    attended = varlen_kernel(
+        packed(query_states),
+        packed(key_states),
+        packed(value_states),
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        softmax_scale=scale,
+        causal=True,
+    )
+    output = query_states.new_zeros(batch * length, num_heads, head_dim)
+    output[positions] = attended.to(output.dtype)
+    return output.view(batch, length, num_heads, head_dim).transpose(1, 2)
+
+
+def flash_varlen_kernel(query_states: torch.Tensor):
+    """flash-attn's varlen kernel where it can run (CUDA, fp16/bf16, the `gpu` extra installed), else None."""
+    if not query_states.is_cuda or query_states.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
