@@ -57,9 +57,11 @@ def logits(model, input_ids, use_cache: bool, **kwargs) -> torch.Tensor:
 
 @pytest.mark.parametrize(("router", "attn"), list(itertools.product(["cosine", "rule"], ["eager", "sdpa"])))
 def test_replicated_and_counted_cross_attention_agree(router, attn):
-    """Without a cache the K/V are replicated to positions (SDPA); with one, each concept is stored once
-    with its count (+ log count). One forward each, left-padded and packed: equal within 1e-5."""
+    """Without a cache the K/V are replicated to positions (SDPA); with one (and the counted form forced),
+    each concept is stored once with its count (+ log count). Left-padded and packed: equal within 1e-5."""
     model = dlcm(attn=attn, router=router, rule_threshold=0.3)
+    # A fresh prefill would take the replicated form too; force the counted one wherever there is a cache.
+    model.model.cross_attention_form = "counted"
     input_ids = ids(2, 12)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :4] = 0
@@ -228,3 +230,28 @@ def test_gpu_varlen_wiring_gives_the_same_logits_with_a_stand_in_kernel(monkeypa
         real = case.get("attention_mask", torch.ones_like(input_ids)).bool()
         assert_close(logits(model, input_ids, False, **case)[real], reference[real], atol=1e-5, rtol=1e-5)
     assert len(calls) == 2 * BACKBONE["decoder_layers"]
+
+
+def test_a_fresh_cached_prefill_reads_by_replication_and_decodes_by_counts():
+    """The default: a prefill into an empty cache uses the replicated form and stores each row's counts at
+    its last token without a (B, L, N) table; continuing calls use the counted form. Same logits."""
+    model = dlcm()
+    input_ids = ids(2, 14)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    full = logits(model, input_ids, False, attention_mask=attention_mask)
+    with torch.no_grad():
+        prefill = model(input_ids=input_ids[:, :9], attention_mask=attention_mask[:, :9], use_cache=True)
+        assert (
+            prefill.past_key_values.state.read_counts.shape[1]
+            == 1 + prefill.past_key_values.num_concept_slots
+        )
+        rest = model(
+            input_ids=input_ids[:, 9:],
+            attention_mask=attention_mask,
+            past_key_values=prefill.past_key_values,
+            use_cache=True,
+        ).logits
+    real = attention_mask.bool()
+    both = torch.cat([prefill.logits, rest], dim=1)
+    assert_close(both[real], full[real], atol=1e-5, rtol=1e-5)

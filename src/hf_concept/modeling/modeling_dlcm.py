@@ -240,6 +240,9 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
     """(B, L) ids -> (B, L, D) final-normed token states through encoder, concepts and decoder."""
 
     family_name = "DLCM"
+    # "auto": the replicated form unless earlier tokens are cached (then counted); "counted" forces the
+    # counted form wherever there is a cache (tests and benchmarks compare the two this way).
+    cross_attention_form = "auto"
 
     def __init__(self, config: DLCMConfig) -> None:
         super().__init__(config)
@@ -409,17 +412,22 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         state: ConceptState,
         cache: ConceptCache | None,
     ) -> tuple[ConceptReading, ConceptState]:
-        """Which slot each position carries (null concept 0, cache slot j as j + 1) and, with a cache, the
-        counted form's (B, L, N) counts continuing the row's cached counts."""
+        """Which slot each position carries (null concept 0, cache slot j as j + 1), in the replicated
+        form when nothing came before this call (training, a fresh prefill) and otherwise in the counted
+        form, continuing the row's cached counts; a cache also gets each row's counts at its last token."""
         # Tokens before the slice's first opening continue the cached chunk: they carry what the row's
         # last cached token carried. Other tokens with no closed chunk in their document carry the null.
         continues = (torch.cumsum((opens & mask).long(), dim=1) == 0) & (state.read_slot[:, None] >= 0)
         carried = torch.where(continues, state.read_slot[:, None], 0)
         index = torch.where(emitted.token_index >= 0, 1 + slots_before + emitted.token_index, carried)
         index = index.masked_fill(~mask, -1)  # (B, L)
-        if cache is None:
+        fresh = slots_before == 0 and not bool((state.read_slot >= 0).any())
+        if cache is None or (fresh and self.cross_attention_form == "auto"):
             plain_causal = bool(mask.all()) and not bool(starts[:, 1:].any())
-            return ConceptReading(index, mask, starts, plain_causal=plain_causal), state
+            reading = ConceptReading(index, mask, starts, plain_causal=plain_causal)
+            if cache is not None:
+                state = self._remember_reads(state, index, mask, starts, 1 + cache.num_concept_slots)
+            return reading, state
         num_slots = 1 + cache.num_concept_slots
         initial = nn.functional.pad(state.read_counts, (0, num_slots - state.read_counts.shape[1]))
         counts = concept_counts(index, mask, starts, num_slots, initial_counts=initial)  # (B, L, N)
@@ -429,6 +437,27 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         state.read_slot = torch.where(has_real, index[rows, last], state.read_slot)
         state.read_counts = torch.where(has_real[:, None], counts[rows, last], initial)
         return ConceptReading(index, mask, starts, counts=counts), state
+
+    def _remember_reads(
+        self,
+        state: ConceptState,
+        index: torch.Tensor,
+        mask: torch.Tensor,
+        starts: torch.Tensor,
+        num_slots: int,
+    ) -> ConceptState:
+        """Each row's slot at its last real token and, per slot, how many positions of that token's
+        document carried it (what the counted form continues from), without a (B, L, N) table."""
+        has_real = mask.any(dim=1)
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)  # (B,)
+        documents = torch.cumsum((starts & mask).long(), dim=1)  # (B, L)
+        carries = mask & (index >= 0) & (documents == documents[rows, last][:, None])
+        counts = torch.zeros(mask.shape[0], num_slots, dtype=torch.long, device=mask.device)
+        counts.scatter_add_(1, index.clamp(min=0), carries.long())
+        state.read_slot = torch.where(has_real, index[rows, last], state.read_slot)
+        state.read_counts = torch.where(has_real[:, None], counts, state.read_counts.new_zeros(counts.shape))
+        return state
 
     def remember_router(
         self,
