@@ -36,6 +36,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hf_concept.conversion import (
     SUPPORTED_SOURCE_TYPES,
+    iter_source_tensors,
     load_source_into_plain,
     plain_config_from_source,
     source_key_to_plain,
@@ -355,3 +356,11 @@ def test_pickle_weights_need_explicit_flag(tmp_path):
         load_source_into_plain(tmp_path)
     plain = load_source_into_plain(tmp_path, allow_pickle=True)
     assert torch.equal(plain.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+
+
+def test_unreadable_shard_is_named(tmp_path):
+    _single_file_checkpoint(tmp_path)
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(ValueError, match=r"file='.*model\.safetensors' could not be read as safetensors"):
+        list(iter_source_tensors(tmp_path))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.layers import RotaryEmbedding
@@ -225,12 +225,7 @@ def iter_source_tensors(folder: str | Path, allow_pickle: bool = False) -> Itera
     folder = Path(folder)
     files = _safetensors_files(folder)
     for path, promised in files:
-        with safe_open(str(path), framework="pt", device="cpu") as shard:
-            keys = list(shard.keys())
-            if promised is not None and not promised <= set(keys):
-                raise ValueError(f"{path.name} lacks keys its index lists: {sorted(promised - set(keys))}")
-            for key in keys:
-                yield key, shard.get_tensor(key)
+        yield from _shard_tensors(path, promised)
     if files:
         return
     pickles = _pickle_files(folder)
@@ -246,6 +241,19 @@ def iter_source_tensors(folder: str | Path, allow_pickle: bool = False) -> Itera
         )
     for path in pickles:
         yield from torch.load(path, map_location="cpu", weights_only=True).items()
+
+
+def _shard_tensors(path: Path, promised: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One safetensors shard's tensors; a file safetensors cannot read raises ValueError naming it."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            keys = list(shard.keys())
+            if promised is not None and not promised <= set(keys):
+                raise ValueError(f"{path.name} lacks keys its index lists: {sorted(promised - set(keys))}")
+            for key in keys:
+                yield key, shard.get_tensor(key)
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"file={str(path)!r} could not be read as safetensors: {error}") from error
 
 
 def _empty_plain_model(config: PlainDecoderConfig, dtype: torch.dtype) -> PlainDecoderForCausalLM:
