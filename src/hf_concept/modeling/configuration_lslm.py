@@ -1,0 +1,143 @@
+"""Configuration of the LSLM family (model_type "lslm"): Latent Segment Language Models over bytes.
+
+Three stages (LSLM §2, Appendix B): a token (byte) encoder, a segment encoder over pooled segments, and a
+segment decoder that writes each segment from `<bos>` to `<nxt>` with cross-attention to the encoded
+segments before it. The segment encoder uses the plain fields (`hidden_size`, `num_attention_heads`,
+`intermediate_size`, ...); the token encoder and the decoder have their own width, heads and MLP width
+(`token_*`, `decoder_*`, default: the segment encoder's), with projections where widths differ.
+
+Boundaries (z_t = 1: byte t ends a segment) come from the ffn-gumbel router p̂_t = sum(FFN(h_t)), sampled
+in training as σ(p̂_t + g′ − g″) ≥ 0.5 with a straight-through estimator, thresholded at inference. The
+objective is the ELBO: cross-entropy of the decoder's bytes and `<nxt>` markers + `kl_weight` · KL of the
+boundary posterior to Bernoulli(`prior_mean`) (a Beta(a, b) prior has mean a / (a + b): give `prior_alpha`
+and `prior_beta` instead). `update_schedule` = k: k generator steps, then one inference-network step.
+
+`check_fields` raises `ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .configuration_plain import PlainDecoderConfig, _is_int, _is_number
+from .pooling import parse_pooling_method
+
+
+class LSLMConfig(PlainDecoderConfig):
+    """Config of `LSLMForCausalLM`; defaults follow the paper's Appendix B (512 wide, 4 + 10 + 4 layers)."""
+
+    model_type = "lslm"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = [
+        "past_key_values",
+        "lm_loss",
+        "kl_loss",
+        "boundary_rate",
+        "bits_per_byte",
+        "hidden_states",
+    ]
+
+    vocab_size: int = 261
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    num_attention_heads: int = 8
+    num_hidden_layers: int | None = None
+    token_encoder_layers: int = 4
+    segment_encoder_layers: int = 10
+    decoder_layers: int = 4
+    token_hidden_size: int | None = None
+    token_num_attention_heads: int | None = None
+    token_intermediate_size: int | None = None
+    decoder_hidden_size: int | None = None
+    decoder_num_attention_heads: int | None = None
+    decoder_intermediate_size: int | None = None
+    router_intermediate_size: int | None = None
+    pooling: str = "mean"
+    prior_mean: float | None = None
+    prior_alpha: float | None = None
+    prior_beta: float | None = None
+    kl_weight: float = 1.0
+    update_schedule: int = 1
+    boundary_threshold: float = 0.5
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    segment_start_token_id: int = 3
+    segment_end_token_id: int = 4
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        self._fill_stage_defaults()
+        auto_map = {"AutoModel": "modeling_lslm.LSLMModel"}
+        auto_map.update(kwargs.pop("auto_map", None) or {})
+        kwargs["auto_map"] = auto_map
+        super().__post_init__(**kwargs)
+
+    def _fill_stage_defaults(self) -> None:
+        split = (self.token_encoder_layers, self.segment_encoder_layers, self.decoder_layers)
+        if all(_is_int(value) for value in split):
+            total = sum(split)
+            if self.num_hidden_layers is not None and self.num_hidden_layers != total:
+                raise ValueError(
+                    f"num_hidden_layers={self.num_hidden_layers!r} must equal token_encoder_layers + "
+                    f"segment_encoder_layers + decoder_layers = {total} (leave it unset)"
+                )
+            self.num_hidden_layers = total
+        for stage in ("token", "decoder"):
+            for field, default in (
+                ("hidden_size", self.hidden_size),
+                ("num_attention_heads", self.num_attention_heads),
+                ("intermediate_size", self.intermediate_size),
+            ):
+                if getattr(self, f"{stage}_{field}") is None:
+                    setattr(self, f"{stage}_{field}", default)
+        if self.router_intermediate_size is None:
+            self.router_intermediate_size = self.token_intermediate_size
+        alpha, beta = self.prior_alpha, self.prior_beta
+        if self.prior_mean is None and _is_number(alpha) and _is_number(beta) and alpha + beta > 0:
+            self.prior_mean = alpha / (alpha + beta)
+        if self.prior_mean is None:
+            self.prior_mean = 0.2
+
+    def stage_head_dim(self, stage: str) -> int:
+        """Head dim of the "token" or "decoder" stage: its width over its heads."""
+        return getattr(self, f"{stage}_hidden_size") // getattr(self, f"{stage}_num_attention_heads")
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        for name in ("token_encoder_layers", "segment_encoder_layers", "decoder_layers", "update_schedule"):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for stage in ("token", "decoder"):
+            width, heads = (
+                getattr(self, f"{stage}_hidden_size"),
+                getattr(self, f"{stage}_num_attention_heads"),
+            )
+            for name, value in ((f"{stage}_hidden_size", width), (f"{stage}_num_attention_heads", heads)):
+                if not (_is_int(value) and value > 0):
+                    raise ValueError(f"{name}={value!r} must be a positive integer")
+            if width % heads or (width // heads) % 2:
+                raise ValueError(
+                    f"{stage}_hidden_size={width} must be {stage}_num_attention_heads={heads} times an even "
+                    "head dim"
+                )
+        for name in ("token_intermediate_size", "decoder_intermediate_size", "router_intermediate_size"):
+            value = getattr(self, name)
+            if not (_is_int(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        parse_pooling_method(self.pooling)
+        if self.pooling not in ("mean",) and not self.pooling.startswith("hops:"):
+            raise ValueError(f"pooling={self.pooling!r} must be 'mean' or 'hops:N'")
+        if not (_is_number(self.prior_mean) and 0 < self.prior_mean < 1):
+            raise ValueError(f"prior_mean={self.prior_mean!r} must be in (0, 1)")
+        if not (_is_number(self.kl_weight) and self.kl_weight >= 0):
+            raise ValueError(f"kl_weight={self.kl_weight!r} must be a non-negative number")
+        if not (_is_number(self.boundary_threshold) and 0 < self.boundary_threshold < 1):
+            raise ValueError(f"boundary_threshold={self.boundary_threshold!r} must be in (0, 1)")
+        if self.sliding_window is not None or self.num_experts != 0:
+            raise ValueError(
+                f"sliding_window={self.sliding_window!r}, num_experts={self.num_experts!r}: LSLM's stages "
+                "are dense full-attention transformers"
+            )
+
+
+LSLMConfig.register_for_auto_class()
