@@ -1,0 +1,300 @@
+"""Bits per byte of a causal language model over the LSLM byte vocabulary, and a matched GPT-2 baseline.
+
+What `bits_per_byte` counts. The text becomes the token sequence `<BoS> b_1 … b_N` (ids from
+`ByteTokenizer`: byte b is id b + 5). Every byte b_i of the text is predicted exactly once, from the tokens
+before it, and its negative log-probability (natural log, normalised over the model's whole output
+vocabulary, special ids included) is added to the total. Hence:
+
+- `<BoS>` is context only: it is never predicted, and it opens the first window only (later windows start
+  inside the text, as a model trained on random crops sees them).
+- `<eos>` is neither appended nor counted: held-out text is a slice of a longer document, so "the text
+  ends here" is not an event of the text, and counting it would make short texts look worse.
+- `<pad>`, `<bos>` and `<nxt>` are not part of the text and are never counted. An LSLM also spends bits on
+  its segment markers and boundary decisions; its own model reports those separately. This function
+  scores only a model that predicts the next byte from the bytes before it.
+
+bits/byte = total nats / (N · ln 2). A model that puts probability 1/V on every id scores exactly log2 V.
+
+Sliding windows (`context` C tokens per forward pass, `stride` S new predictions per window): window k
+scores the bytes b_i with i in [1 + kS, e), e = min(1 + (k+1)S, N + 1), running the model on tokens
+max(0, e − C) … e − 1; so b_i is predicted from tokens max(0, e − C) … i − 1, which is at least C − S
+tokens (or all earlier ones, near the start). With S = C − 1 and N < C one window scores everything, the
+same sum as one full-sequence cross-entropy. Windows are batched with right padding and an attention
+mask; a causal model's logits at real positions do not depend on the padding after them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
+
+from hf_concept.modeling.tokenization_lslm import (
+    BYTE_OFFSET,
+    EOS_ID,
+    PAD_ID,
+    SEQUENCE_START_ID,
+    VOCAB_SIZE,
+    utf8_bytes,
+)
+
+DEFAULT_CONTEXT = 256
+
+
+@dataclass(frozen=True)
+class BitsPerByte:
+    """Total negative log-likelihood `nats` of the `num_bytes` bytes of a text (see the module docstring)."""
+
+    nats: float
+    num_bytes: int
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nats / (self.num_bytes * math.log(2))
+
+
+def _model_context_limit(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for field in ("n_positions", "max_position_embeddings"):
+        limit = getattr(config, field, None)
+        if isinstance(limit, int):
+            return limit
+    return None
+
+
+def _check_window(model: nn.Module, context: int, stride: int | None, batch_size: int) -> int:
+    """Validate the window arguments and return the stride (default: half the context)."""
+    if not isinstance(context, int) or context < 2:
+        raise ValueError(
+            f"context={context!r} must be an int >= 2 (one token of context plus one prediction)"
+        )
+    limit = _model_context_limit(model)
+    if limit is not None and context > limit:
+        raise ValueError(f"context={context} exceeds the model's {limit} positions")
+    stride = max(1, context // 2) if stride is None else stride
+    if not isinstance(stride, int) or not 1 <= stride <= context - 1:
+        # The first prediction of a window needs context - stride >= 1 tokens before it.
+        raise ValueError(f"stride={stride!r} must be an int in [1, context - 1] = [1, {context - 1}]")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+    return stride
+
+
+def _byte_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`text` as byte ids through `tokenizer`, checked to be one id per UTF-8 byte."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"text={text!r:.40} must be a non-empty str: bits per byte of no bytes is undefined")
+    # Special-token spellings in the text stay bytes: they are text here, not markers.
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    expected = [BYTE_OFFSET + value for value in utf8_bytes(text)]
+    if ids != expected:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} does not map byte b to id b + {BYTE_OFFSET}; "
+            "bits_per_byte needs the LSLM ByteTokenizer's layout"
+        )
+    return ids
+
+
+def _windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(window start, first scored position, window end) over token positions 0..num_tokens-1."""
+    windows = []
+    for first in range(1, num_tokens, stride):
+        end = min(first + stride, num_tokens)
+        windows.append((max(0, end - context), first, end))
+    return windows
+
+
+def _score_batch(model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, int, int]]) -> float:
+    """Sum of -log p over the scored positions of `batch`'s windows, run as one right-padded forward pass."""
+    width = max(end - start for start, _, end in batch)
+    input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (start, _, end) in enumerate(batch):
+        input_ids[row, : end - start] = tokens[start:end]
+        attention_mask[row, : end - start] = 1
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+    if logits.shape[-1] < VOCAB_SIZE:
+        raise ValueError(
+            f"model outputs {logits.shape[-1]} logits per position; the byte vocabulary needs {VOCAB_SIZE}"
+        )
+    # float64, so that summing thousands of terms keeps the total exact to ~1e-12 (a uniform model
+    # scores log2 V to that precision).
+    log_probs = F.log_softmax(logits.double(), dim=-1).cpu()  # (B, T, V)
+    total = 0.0
+    for row, (start, first, end) in enumerate(batch):
+        # Position p's logits predict token p + 1; the scored tokens are first..end-1.
+        predicted = log_probs[row, first - start - 1 : end - start - 1]  # (n, V)
+        targets = tokens[first:end].unsqueeze(-1)  # (n, 1)
+        total -= predicted.gather(-1, targets).sum().item()
+    return total
+
+
+@torch.no_grad()
+def bits_per_byte(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    *,
+    context: int = DEFAULT_CONTEXT,
+    stride: int | None = None,
+    batch_size: int = 8,
+) -> BitsPerByte:
+    """Bits per byte of `text` under the causal LM `model` (counting rules in the module docstring).
+
+    Args:
+        model: called as `model(input_ids=..., attention_mask=...)`, returning `.logits` of shape (B, T, V)
+            with V >= 261; run in eval mode (its training flag is restored afterwards).
+        tokenizer: a `ByteTokenizer` (or any tokenizer with its byte layout: byte b is id b + 5).
+        text: non-empty text; its UTF-8 bytes are scored.
+        context: tokens per window, at most the model's `n_positions`/`max_position_embeddings`.
+        stride: new bytes scored per window, 1..context-1; default context // 2.
+        batch_size: windows per forward pass.
+    """
+    stride = _check_window(model, context, stride, batch_size)
+    tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
+    windows = _windows(len(tokens), context, stride)
+    was_training = model.training
+    model.eval()
+    try:
+        nats = sum(
+            _score_batch(model, tokens, windows[index : index + batch_size])
+            for index in range(0, len(windows), batch_size)
+        )
+    finally:
+        model.train(was_training)
+    return BitsPerByte(nats=nats, num_bytes=len(tokens) - 1)
+
+
+@dataclass(frozen=True)
+class GPT2Shape:
+    """Depth, width and heads of a GPT-2 byte model, with its exact parameter count."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    num_parameters: int
+
+
+def gpt2_num_parameters(n_layer: int, n_embd: int, n_positions: int, vocab_size: int = VOCAB_SIZE) -> int:
+    """Parameters of `GPT2LMHeadModel` with tied input/output embeddings and a 4x MLP.
+
+    Token and position embeddings, then per layer two LayerNorms (4D), the fused QKV projection
+    (3D² + 3D), the attention output (D² + D) and the MLP (8D² + 5D), then the final LayerNorm (2D).
+    """
+    per_layer = 12 * n_embd * n_embd + 13 * n_embd
+    return (vocab_size + n_positions) * n_embd + n_layer * per_layer + 2 * n_embd
+
+
+def _heads_for(n_embd: int, head_dim: int) -> int:
+    """The head count dividing `n_embd` whose head size is closest to `head_dim` (fewer heads on a tie)."""
+    divisors = [heads for heads in range(1, n_embd + 1) if n_embd % heads == 0]
+    return min(divisors, key=lambda heads: (abs(math.log(n_embd / heads / head_dim)), heads))
+
+
+def _shape_candidates(
+    num_parameters: int, depths: range | list[int], multiple: int, n_positions: int
+) -> list[tuple[float, int, int, int]]:
+    """(relative error, depth, width, count) of the two widths (multiples of `multiple`) nearest target."""
+    candidates = []
+    for depth in depths:
+        # The count is increasing in width, so the best width is next to the root of the quadratic.
+        a, b = 12 * depth, 13 * depth + 2 + VOCAB_SIZE + n_positions
+        root = (-b + math.sqrt(b * b + 4 * a * num_parameters)) / (2 * a)
+        for steps in {max(1, math.floor(root / multiple)), max(1, math.ceil(root / multiple))}:
+            count = gpt2_num_parameters(depth, steps * multiple, n_positions)
+            candidates.append((abs(count - num_parameters) / num_parameters, depth, steps * multiple, count))
+    return candidates
+
+
+def match_gpt2_to(
+    num_parameters: int,
+    *,
+    n_positions: int = 1024,
+    n_layer: int | None = None,
+    max_layers: int = 48,
+    width_multiple: int = 16,
+    aspect_ratio: float = 64.0,
+    head_dim: int = 64,
+    tolerance: float = 0.03,
+) -> GPT2Shape:
+    """A GPT-2 byte model shape whose parameter count is within `tolerance` of `num_parameters`.
+
+    Search: for each depth 1..`max_layers` (or only `n_layer` when given), the width that is a multiple of
+    `width_multiple` and brings `gpt2_num_parameters` closest to the target; when none is within
+    `tolerance`, the search repeats with half the multiple, down to 1. Of the shapes within
+    `tolerance` (relative), the one whose width/depth is closest to `aspect_ratio` (GPT-2 small has
+    768/12 = 64) on a log scale wins; ties go to the smaller error. Heads: the divisor of the width whose head
+    size is closest to `head_dim`. Raises ValueError when no shape is within tolerance.
+    """
+    if not isinstance(num_parameters, int) or num_parameters < 1:
+        raise ValueError(f"num_parameters={num_parameters!r} must be a positive int")
+    if n_layer is not None and (not isinstance(n_layer, int) or n_layer < 1):
+        raise ValueError(f"n_layer={n_layer!r} must be a positive int or None")
+    depths = [n_layer] if n_layer is not None else range(1, max_layers + 1)
+    multiple = width_multiple
+    within = [
+        c for c in _shape_candidates(num_parameters, depths, multiple, n_positions) if c[0] <= tolerance
+    ]
+    while not within and multiple > 1:
+        # A fixed or shallow depth may need a finer width step to land within tolerance.
+        multiple //= 2
+        candidates = _shape_candidates(num_parameters, depths, multiple, n_positions)
+        within = [candidate for candidate in candidates if candidate[0] <= tolerance]
+    if not within:
+        error, depth, n_embd, count = min(_shape_candidates(num_parameters, depths, 1, n_positions))
+        raise ValueError(
+            f"num_parameters={num_parameters}: no GPT-2 shape within tolerance={tolerance} "
+            f"(closest: n_layer={depth}, n_embd={n_embd} with {count} parameters, {error:.1%} off); "
+            "raise tolerance or allow more layers"
+        )
+    error, depth, n_embd, count = min(within, key=lambda c: (abs(math.log(c[2] / c[1] / aspect_ratio)), c[0]))
+    return GPT2Shape(n_layer=depth, n_embd=n_embd, n_head=_heads_for(n_embd, head_dim), num_parameters=count)
+
+
+def byte_gpt2_baseline(
+    num_parameters: int | None = None,
+    *,
+    n_layer: int | None = None,
+    n_embd: int | None = None,
+    n_head: int | None = None,
+    n_positions: int = 1024,
+    dropout: float = 0.0,
+    head_dim: int = 64,
+    **config_kwargs,
+) -> GPT2LMHeadModel:
+    """A randomly initialised GPT-2 (transformers' `GPT2LMHeadModel`) over the 261-id byte vocabulary.
+
+    Either `num_parameters` (the shape comes from `match_gpt2_to`, with `n_layer` optionally fixing the
+    depth) or `n_layer` and `n_embd` (default 4 and 256 when neither is given). `<pad>`, `<BoS>` and `<eos>`
+    ids come from the byte tokenizer. Seed torch before calling for reproducible weights.
+    """
+    if num_parameters is not None:
+        if n_embd is not None:
+            raise ValueError(f"n_embd={n_embd} conflicts with num_parameters={num_parameters}: give one")
+        shape = match_gpt2_to(num_parameters, n_positions=n_positions, n_layer=n_layer, head_dim=head_dim)
+        n_layer, n_embd, n_head = shape.n_layer, shape.n_embd, n_head or shape.n_head
+    n_layer = 4 if n_layer is None else n_layer
+    n_embd = 256 if n_embd is None else n_embd
+    n_head = _heads_for(n_embd, head_dim) if n_head is None else n_head
+    if n_embd % n_head:
+        raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_positions=n_positions,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=SEQUENCE_START_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        **config_kwargs,
+    )
+    return GPT2LMHeadModel(config)
