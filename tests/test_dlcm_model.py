@@ -255,3 +255,25 @@ def test_a_fresh_cached_prefill_reads_by_replication_and_decodes_by_counts():
     real = attention_mask.bool()
     both = torch.cat([prefill.logits, rest], dim=1)
     assert_close(both[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [
+        dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_attention_heads=4),
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            cross_num_attention_heads=8,
+        ),
+        dict(BACKBONE, concept_intermediate_size=None, decoder_intermediate_size=None, cross_head_dim=None),
+    ],
+)
+def test_planner_and_config_derive_the_same_stage_defaults(partial):
+    from hf_concept.planning import DLCMSpec
+
+    spec, config = DLCMSpec.from_dict(partial), DLCMConfig(**partial)
+    for name, value in spec.to_dict().items():
+        assert value == getattr(config, name), name

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_concept.modeling.dlcm_stages import fill_stage_defaults
+
 CROSS_ATTENTION_FORMS = ("replicated", "counted")
 SHARE_DENOMINATORS = ("total", "non_embedding")
 # model_type -> (q/k/v bias key or a constant, o_proj bias follows q/k/v, q/k norm), as conversion reads them.
@@ -251,32 +253,13 @@ class DLCMSpec:
         _check_bools(self, _FLAGS)
 
     def _fill_defaults(self) -> None:
-        """The derived defaults of `DLCMConfig._fill_stage_defaults`, in the same order."""
+        """`DLCMConfig`'s derived defaults: its stage rules (shared code), then the plain parent's KV heads
+        and head dim, in the same order."""
+        fill_stage_defaults(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and _is_int(self.hidden_size) and _is_int(self.num_attention_heads):
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
-        if self.concept_hidden_size is None:
-            self.concept_hidden_size = self.hidden_size
-        if self.concept_num_attention_heads is None:
-            self.concept_num_attention_heads = self.num_attention_heads
-        if self.concept_num_key_value_heads is None:
-            self.concept_num_key_value_heads = self.concept_num_attention_heads
-        width, heads = self.concept_hidden_size, self.concept_num_attention_heads
-        if self.concept_head_dim is None and _is_int(width) and _is_int(heads):
-            self.concept_head_dim = width // max(heads, 1)
-        if self.concept_intermediate_size is None and all(
-            _is_int(value) and value > 0 for value in (self.intermediate_size, width, self.hidden_size)
-        ):
-            self.concept_intermediate_size = self.intermediate_size * width // self.hidden_size
-        if self.decoder_intermediate_size is None:
-            self.decoder_intermediate_size = self.intermediate_size
-        if self.cross_num_attention_heads is None:
-            self.cross_num_attention_heads = self.num_attention_heads
-        if self.cross_num_key_value_heads is None:
-            self.cross_num_key_value_heads = self.num_key_value_heads
-        if self.cross_head_dim is None:
-            self.cross_head_dim = self.head_dim
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DLCMSpec:

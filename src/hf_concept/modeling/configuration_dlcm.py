@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .configuration_plain import PlainDecoderConfig, _is_int, _is_number
+from .dlcm_stages import fill_stage_defaults
 
 ROUTER_KINDS = ("cosine", "rule")
 CHUNKING_KINDS = ("dynamic", "fixed")
@@ -90,31 +91,7 @@ class DLCMConfig(PlainDecoderConfig):
                     f" + decoder_layers = {total} (leave it unset)"
                 )
             self.num_hidden_layers = total
-        if self.concept_hidden_size is None:
-            self.concept_hidden_size = self.hidden_size
-        if self.concept_num_attention_heads is None:
-            self.concept_num_attention_heads = self.num_attention_heads
-        if self.concept_num_key_value_heads is None:
-            self.concept_num_key_value_heads = self.concept_num_attention_heads
-        width, heads = self.concept_hidden_size, self.concept_num_attention_heads
-        if self.concept_head_dim is None and _is_int(width) and _is_int(heads) and heads > 0:
-            self.concept_head_dim = width // heads
-        if self.concept_intermediate_size is None and all(
-            _is_int(value) and value > 0 for value in (self.intermediate_size, width, self.hidden_size)
-        ):
-            self.concept_intermediate_size = self.intermediate_size * width // self.hidden_size
-        if self.decoder_intermediate_size is None:
-            self.decoder_intermediate_size = self.intermediate_size
-        if self.cross_num_attention_heads is None:
-            self.cross_num_attention_heads = self.num_attention_heads
-        if self.cross_num_key_value_heads is None:
-            self.cross_num_key_value_heads = self.num_key_value_heads or self.cross_num_attention_heads
-        if self.cross_head_dim is None:
-            heads = self.num_attention_heads
-            if self.head_dim is not None:
-                self.cross_head_dim = self.head_dim
-            elif _is_int(self.hidden_size) and _is_int(heads) and heads > 0:
-                self.cross_head_dim = self.hidden_size // heads
+        fill_stage_defaults(self)
 
     @property
     def mup_token_scale(self) -> float:
