@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_concept.modeling.packing import document_ids, document_starts, token_mask
+from hf_concept.modeling.packing import document_ids, document_starts, last_real_picker, token_mask
 
 
 def test_token_mask_defaults_and_uses_last_columns():
@@ -39,3 +39,12 @@ def test_cached_continuation_starts_nothing_unless_position_resets():
     assert starts.tolist() == [[False, False], [False, True]]
     # Without position ids and without past, the first real token is still a start.
     assert document_starts(mask).tolist() == [[True, False], [True, False]]
+
+
+def test_last_real_picker_takes_each_rows_last_real_token_or_keeps_the_old_value():
+    mask = torch.tensor([[False, True, True, False], [False, False, False, False], [True, True, True, True]])
+    values = torch.arange(12).view(3, 4, 1).float()
+    pick = last_real_picker(mask)
+    old = torch.full((3, 1), -1, dtype=torch.long)
+    assert pick(values, old).tolist() == [[2], [-1], [11]]
+    assert pick(values, old).dtype == torch.long

@@ -58,6 +58,7 @@ from .concept_stack import (
 from .configuration_conceptmoe import ConceptMoEConfig
 from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from .modeling_plain import init_backbone_weights
+from .packing import last_real_picker
 from .pooling import gather_concepts_to_tokens
 from .routing import straight_through
 from .scan import ema_scan
@@ -344,14 +345,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         index = torch.where(emitted.token_index >= 0, emitted.token_index + 1, continues.long() - 1)
         table = torch.cat([state.last_readable[:, None].to(smoothed.dtype), smoothed], dim=1)  # (B, 1 + C, D)
         token_concepts = gather_concepts_to_tokens(table, index)  # (B, L, D)
-        rows = torch.arange(mask.shape[0], device=mask.device)
-        has_real = mask.any(dim=1)
-        last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)  # (B,) last real token
-
-        def at_last(values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-            keep = has_real.view(-1, *([1] * (old.dim() - 1)))
-            return torch.where(keep, values[rows, last].to(old.dtype), old)
-
+        at_last = last_real_picker(mask)
         new_state = ConceptState(*emitted.state.tensors())
         new_state.last_readable = at_last(token_concepts, state.last_readable)
         new_state.has_readable = at_last(index >= 0, state.has_readable)
@@ -360,6 +354,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
             new_state.previous_key = at_last(keys, state.previous_key)
         counts = emitted.valid.sum(dim=1)  # (B,)
         if smoothed.shape[1] > 0:
+            rows = torch.arange(counts.shape[0], device=counts.device)
             last_slot = smoothed[rows, (counts - 1).clamp_min(0)]
             new_state.last_ema = torch.where(
                 (counts > 0)[:, None], last_slot.to(state.last_ema.dtype), state.last_ema

@@ -34,6 +34,7 @@ own open chunk is never readable (its mean would include later tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,6 +58,7 @@ from .concept_stack import (
 from .configuration_dlcm import DLCMConfig
 from .layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from .modeling_plain import init_backbone_weights
+from .packing import last_real_picker
 from .replication import (
     concept_attention_counted,
     concept_counts,
@@ -324,8 +326,11 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         )
         slots_before = cache.num_concept_slots if cache is not None else 0
         concepts, new_state = self.concept_model(emitted, state, cache)
-        reading, new_state = self.read_concepts(emitted, opens, mask, starts, slots_before, new_state, cache)
-        new_state = self.remember_router(new_state, keys, documents, mask, state)
+        at_last = last_real_picker(mask)
+        reading, new_state = self.read_concepts(
+            emitted, opens, mask, starts, slots_before, new_state, cache, at_last
+        )
+        new_state = self.remember_router(new_state, keys, documents, state, at_last)
         if cache is not None:
             cache.state = new_state
         for index, layer in enumerate(self.decoder_layers):
@@ -411,6 +416,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         slots_before: int,
         state: ConceptState,
         cache: ConceptCache | None,
+        at_last: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[ConceptReading, ConceptState]:
         """Which slot each position carries (null concept 0, cache slot j as j + 1), in the replicated
         form when nothing came before this call (training, a fresh prefill) and otherwise in the counted
@@ -426,16 +432,13 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             plain_causal = bool(mask.all()) and not bool(starts[:, 1:].any())
             reading = ConceptReading(index, mask, starts, plain_causal=plain_causal)
             if cache is not None:
-                state = self._remember_reads(state, index, mask, starts, 1 + cache.num_concept_slots)
+                state = self._remember_reads(state, index, mask, starts, 1 + cache.num_concept_slots, at_last)
             return reading, state
         num_slots = 1 + cache.num_concept_slots
         initial = nn.functional.pad(state.read_counts, (0, num_slots - state.read_counts.shape[1]))
         counts = concept_counts(index, mask, starts, num_slots, initial_counts=initial)  # (B, L, N)
-        has_real = mask.any(dim=1)
-        rows = torch.arange(mask.shape[0], device=mask.device)
-        last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)  # (B,) last real token
-        state.read_slot = torch.where(has_real, index[rows, last], state.read_slot)
-        state.read_counts = torch.where(has_real[:, None], counts[rows, last], initial)
+        state.read_slot = at_last(index, state.read_slot)
+        state.read_counts = at_last(counts, initial)
         return ConceptReading(index, mask, starts, counts=counts), state
 
     def _remember_reads(
@@ -445,18 +448,18 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         mask: torch.Tensor,
         starts: torch.Tensor,
         num_slots: int,
+        at_last: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> ConceptState:
         """Each row's slot at its last real token and, per slot, how many positions of that token's
         document carried it (what the counted form continues from), without a (B, L, N) table."""
-        has_real = mask.any(dim=1)
-        rows = torch.arange(mask.shape[0], device=mask.device)
-        last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)  # (B,)
         documents = torch.cumsum((starts & mask).long(), dim=1)  # (B, L)
-        carries = mask & (index >= 0) & (documents == documents[rows, last][:, None])
+        last_document = at_last(documents, documents.new_full((mask.shape[0],), -1))
+        carries = mask & (index >= 0) & (documents == last_document[:, None])
+        # Rows without a real token carry nothing: their counts stay zero.
         counts = torch.zeros(mask.shape[0], num_slots, dtype=torch.long, device=mask.device)
         counts.scatter_add_(1, index.clamp(min=0), carries.long())
-        state.read_slot = torch.where(has_real, index[rows, last], state.read_slot)
-        state.read_counts = torch.where(has_real[:, None], counts, state.read_counts.new_zeros(counts.shape))
+        state.read_slot = at_last(index, state.read_slot)
+        state.read_counts = counts
         return state
 
     def remember_router(
@@ -464,18 +467,13 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         state: ConceptState,
         keys: torch.Tensor | None,
         documents: torch.Tensor,
-        mask: torch.Tensor,
         old: ConceptState,
+        at_last: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> ConceptState:
         """The router key and document of each row's last real token, for the next call."""
-        has_real = mask.any(dim=1)
-        rows = torch.arange(mask.shape[0], device=mask.device)
-        last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)
         if keys is not None:
-            state.previous_key = torch.where(
-                has_real[:, None], keys[rows, last].to(old.previous_key.dtype), old.previous_key
-            )
-        state.document = torch.where(has_real, documents[rows, last], old.document)
+            state.previous_key = at_last(keys, old.previous_key)
+        state.document = at_last(documents, old.document)
         return state
 
     def cross_kv(

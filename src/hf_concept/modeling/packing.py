@@ -15,6 +15,8 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -68,3 +70,18 @@ def document_ids(mask: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     ids = torch.cumsum(starts.long(), dim=-1) - 1
     ids = ids.clamp(min=0)
     return ids.masked_fill(~mask, -1)
+
+
+def last_real_picker(mask: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`pick(values, old)`: each row's entry of (B, L, ...) `values` at its last real token, cast to the
+    dtype of `old` (B, ...), which is kept for rows with no real token. What a cache carries from one
+    call to the next; the positions are found once per call."""
+    has_real = mask.any(dim=1)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    last = mask.shape[1] - 1 - torch.argmax(mask.flip(1).long(), dim=1)  # (B,)
+
+    def pick(values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        keep = has_real.view(-1, *([1] * (old.dim() - 1)))
+        return torch.where(keep, values[rows, last].to(old.dtype), old)
+
+    return pick
