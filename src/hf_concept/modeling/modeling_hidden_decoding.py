@@ -44,29 +44,21 @@ from .forward_only_cache import adopt_cache
 from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary, repeat_kv
 from .modeling_plain import CausalLMMixin, default_position_ids, init_backbone_weights
 from .stream_cache import StreamCache
-from .streams import expand_attention_mask, expand_position_ids
+from .streams import (
+    deinterleave_streams,
+    expand_attention_mask,
+    expand_position_ids,
+    interleave_streams,
+)
 
 # Model-internal states, per stream: (B, S, L, D) "stream-major". Intra layers see it as (B·S, L, D);
 # local/full layers as the interleaved (B, L·S, D).
 
 
 def fold_streams(stream_states: torch.Tensor) -> torch.Tensor:
-    """(B, S, L, D) -> (B·S, L, D): each stream becomes a row of the batch (a free view)."""
+    """(B, S, L, D) -> (B·S, L, D): each stream becomes a row of the batch (a view when contiguous)."""
     batch, streams, length, width = stream_states.shape
     return stream_states.reshape(batch * streams, length, width)
-
-
-def interleave(stream_states: torch.Tensor) -> torch.Tensor:
-    """(B, S, L, D) -> (B, L·S, D), token i's stream k at i·S + k."""
-    batch, streams, length, width = stream_states.shape
-    return stream_states.transpose(1, 2).reshape(batch, length * streams, width)
-
-
-def deinterleave(expanded_states: torch.Tensor, num_streams: int) -> torch.Tensor:
-    """(B, L·S, D) -> (B, S, L, D), the inverse of `interleave`."""
-    batch, expanded_length, width = expanded_states.shape
-    length = expanded_length // num_streams
-    return expanded_states.view(batch, length, num_streams, width).transpose(1, 2).contiguous()
 
 
 def stream_positions(position_ids: torch.Tensor, num_streams: int, kind: str) -> torch.Tensor:
@@ -390,14 +382,15 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
                 stream_states = output.view(shape)
             else:
                 output, router_logits = layer(
-                    interleave(stream_states),
+                    interleave_streams(stream_states),
                     attention_mask=masks.local if layer.stream_kind == "local" else masks.full,
                     position_embeddings=positions.expanded_rope,
                     past_key_values=cache,
                     position_ids=positions.expanded_ids,
                     **kwargs,
                 )
-                stream_states = deinterleave(output, streams)
+                # A view; the next intra layer's fold copies it where needed.
+                stream_states = deinterleave_streams(output, streams)
             all_states.append(stream_states[:, -1])
             if router_logits is not None:
                 all_router_logits.append(router_logits)
