@@ -47,6 +47,7 @@ from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
 from .pooling import chunk_index, pool_concepts
 from .routing import gumbel_sigmoid, sample_gumbel_noise, straight_through
+from .tokenization_lslm import BYTE_OFFSET
 
 
 def stage_config(config: LSLMConfig, stage: str) -> ConfigView:
@@ -452,9 +453,6 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         )
         return fields
 
-
-# Byte b has id b + BYTE_OFFSET (the ByteTokenizer's layout: five special ids first).
-BYTE_OFFSET = 5
 
 LSLMModel.register_for_auto_class("AutoModel")
 LSLMForCausalLM.register_for_auto_class("AutoModelForCausalLM")

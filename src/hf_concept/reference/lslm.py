@@ -15,8 +15,6 @@ import torch.nn.functional as F
 
 from hf_concept.modeling.packing import document_starts
 
-BYTE_OFFSET = 5
-
 
 def _segments_of(ends: list[bool], starts: list[bool]) -> list[list[int]]:
     """Token positions of each segment, in order; a document start always opens one."""
