@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from hf_concept.modeling.configuration_lslm import LSLMConfig
-from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
+from hf_concept.modeling.modeling_lslm import LSLMForCausalLM, byte_view
 from hf_concept.modeling.tokenization_lslm import ByteTokenizer
 from hf_concept.reference.lslm import reference_logits
 from hf_concept.training.lslm import InterleavedUpdates, is_inference_parameter
@@ -93,9 +93,11 @@ def test_elbo_parts_and_forced_boundaries():
     input_ids = encode("bytes in, segments out")["input_ids"]
     with torch.no_grad():
         outputs = model(input_ids, labels=input_ids)
-        token_states = model.model.encode_tokens(input_ids, None, torch.arange(input_ids.shape[1])[None])
         mask = torch.ones_like(input_ids, dtype=torch.bool)
-        segmentation = model.model.segment(input_ids, token_states, mask, torch.zeros_like(mask))
+        starts = torch.zeros_like(mask)
+        starts[:, 0] = True
+        view = byte_view(input_ids, mask, starts, model.config)
+        segmentation = model.model.segment(view, model.model.encode_tokens(view))
     assert model.config.prior_mean == pytest.approx(0.2)
     # <BoS> (first) and <eos> (last) always end a segment.
     assert segmentation.ends[0, 0] and segmentation.ends[0, -1] and segmentation.forced[0, [0, -1]].all()

@@ -21,6 +21,11 @@ _LAZY_EXPORTS = {
     "HiddenDecodingModel": "hf_concept.modeling.modeling_hidden_decoding",
     "HiddenDecodingForCausalLM": "hf_concept.modeling.modeling_hidden_decoding",
     "StreamCache": "hf_concept.modeling.stream_cache",
+    "LSLMConfig": "hf_concept.modeling.configuration_lslm",
+    "LSLMModel": "hf_concept.modeling.modeling_lslm",
+    "LSLMForCausalLM": "hf_concept.modeling.modeling_lslm",
+    "SegmentCache": "hf_concept.modeling.segment_cache",
+    "ByteTokenizer": "hf_concept.modeling.tokenization_lslm",
 }
 
 __all__ = ["__version__", *_LAZY_EXPORTS]

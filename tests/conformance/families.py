@@ -227,6 +227,54 @@ def _dlcm_class() -> type:
     return DLCMForCausalLM
 
 
+def _lslm_config(**overrides: Any):
+    from hf_concept.modeling.configuration_lslm import LSLMConfig
+
+    values = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        token_encoder_layers=2,
+        segment_encoder_layers=2,
+        decoder_layers=2,
+        token_hidden_size=16,
+        token_num_attention_heads=2,
+        decoder_hidden_size=24,
+        decoder_num_attention_heads=2,
+        router_intermediate_size=32,
+        max_position_embeddings=128,
+        # A wider init spreads the untrained router's q away from 1/2, so segments have several bytes.
+        initializer_range=0.1,
+        boundary_threshold=0.45,
+    )
+    values.update(overrides)
+    return LSLMConfig(**values)
+
+
+def _lslm_hops_config(**overrides: Any):
+    values = dict(pooling="hops:3", kl_weight=0.5, prior_alpha=1.0, prior_beta=3.0)
+    values.update(overrides)
+    return _lslm_config(**values)
+
+
+def _lslm_class() -> type:
+    from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
+
+    return LSLMForCausalLM
+
+
+@contextlib.contextmanager
+def _saturated_router(model: torch.nn.Module) -> Iterator[None]:
+    """LSLM: the router's logits times 1e4, so q is 0 or 1 and rounding cannot move a decision."""
+    router = model.model.router
+    original = router.forward
+    router.forward = lambda token_states: original(token_states) * 1e4
+    try:
+        yield
+    finally:
+        del router.forward
+
+
 FAMILIES: list[FamilySpec] = [
     FamilySpec(
         name="plain",
@@ -295,5 +343,23 @@ FAMILIES: list[FamilySpec] = [
         invalid_values=(("mup_base_width", 0), ("rule_threshold", 1.5), ("num_experts", 4)),
         force_boundaries=_fixed_chunks,
         logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+    ),
+    FamilySpec(
+        name="lslm",
+        make_config=_lslm_config,
+        model_class=_lslm_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        invalid_values=(("pooling", "first"), ("prior_mean", 1.5), ("decoder_hidden_size", 30)),
+        force_boundaries=_saturated_router,
+        logged_metrics=("lm_loss", "kl_loss", "boundary_rate", "compression_ratio"),
+    ),
+    FamilySpec(
+        name="lslm-hops",
+        make_config=_lslm_hops_config,
+        model_class=_lslm_class,
+        lora_target_modules=("q_proj", "v_proj", "fc_in", "fc_out"),
+        invalid_values=(("kl_weight", -1.0), ("update_schedule", 0), ("boundary_threshold", 1.0)),
+        force_boundaries=_saturated_router,
+        logged_metrics=("lm_loss", "kl_loss", "boundary_rate", "compression_ratio"),
     ),
 ]

@@ -195,18 +195,6 @@ class ConceptCache(ForwardOnlyCache):
                 if tensor is not None:
                     store[index] = function(tensor)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._apply_to_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._apply_to_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
-
     def num_bytes(self) -> int:
         """Bytes held by every tensor of the cache (token K/V, concept K/V, slots, per-row state)."""
         tensors = [tensor for tensor in self.concept_keys + self.concept_values if tensor is not None]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from transformers.cache_utils import Cache, StaticCache
 
 
@@ -27,6 +28,22 @@ class ForwardOnlyCache(Cache):
                 f"tokens_to_remove={tokens_to_remove}: {type(self).__name__} cannot roll back "
                 f"({self.rollback_reason})"
             )
+
+    def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-dimension `function` to every per-row tensor kept beside `self.layers`
+        (subclasses with such state override this; the batch operations below call it)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._apply_to_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._apply_to_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
 
     def layer_bytes(self) -> int:
         """Bytes of the keys and values stored in `self.layers`."""

@@ -1,16 +1,23 @@
 """The LSLM family: byte encoder -> ffn-gumbel boundaries -> pooled segments -> segment encoder -> segment
-decoder (LSLM §2, DESIGN §4). This module is the parallel (training and full-recompute) pass; the segment
-cache for byte-by-byte generation is not written yet.
+decoder (LSLM §2, DESIGN §4), in one parallel pass (training, full recomputation, generation's prefill)
+and one input column at a time over a `SegmentCache` (generation).
 
-Legend: B batch, T input tokens, M segments, S decoder slots (T real tokens + one `<bos>` per segment),
-Dt / D / Dd token-encoder / segment-encoder / decoder width, V vocabulary (261 bytes and markers).
+Legend: B batch, T input tokens, M segments, S decoder slots (the bytes, one `<bos>` per segment and one
+pending `<bos>` per document), Dt / D / Dd token-encoder / segment-encoder / decoder width, V vocabulary
+(256 bytes and five specials, see tokenization_lslm).
+
+Markers. `<nxt>` (the decoder's "segment ends here") and `<bos>` in the input are boundary signals, not
+bytes: the token encoder never reads them (positions count bytes only), and a marker closes the open
+segment, if any. So the `<nxt>` that generation writes into the sequence makes a full recomputation
+segment exactly as the cached steps did.
 
 Pass, per row (left padding and packed documents allowed):
-1. token encoder over the input bytes (causal, at Dt);
+1. token encoder over the row's bytes (causal within a document, at Dt);
 2. boundaries z_t (byte t ends a segment): q_t = σ(sum FFN(h_t)); training samples σ(p̂ + g′ − g″) ≥ ½
-   (a straight-through factor carries the gradient), inference thresholds q_t; `<BoS>`, `<eos>` and the
-   last token of a packed document always end a segment, pads never do;
-3. segments pooled (`mean` or `hops:N`, the segment's own tokens only), times the straight-through factor
+   (a straight-through factor carries the gradient), inference thresholds q_t at `boundary_threshold`;
+   `<BoS>`, `<eos>`, a byte before a marker and the last byte of a packed document always end a
+   segment, pads never do;
+3. segments pooled (`mean` or `hops:N`, the segment's own bytes only), times the straight-through factor
    of their closing byte, projected to D;
 4. segment encoder (causal over the segments of a document; RoPE at the segment's ordinal);
 5. decoder over slots: segment m is written as [`<bos>`, its bytes] and predicts [its bytes, `<nxt>`];
@@ -20,10 +27,17 @@ Pass, per row (left padding and packed documents allowed):
    `<BoS>`'s segment or after `<eos>`) + `kl_weight` · KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean)) over the
    bytes whose boundary is not forced. `bits_per_byte` = the cross-entropy of byte targets alone / ln 2.
 
-Per-token logits (the causal-LM interface): token t's logits predict the input token after it: the
-decoder slot of t while its segment is open, and the next segment's `<bos>` slot after t ends a segment
-(within its document). Causality: every slot reads bytes of its own segment up to itself and segments
-that closed before its segment began, so logits at t depend on tokens <= t only.
+Per-token logits (the causal-LM interface) predict the input token after each column: the slot of the
+column's byte while its segment is open; once the segment has closed (by the byte: router, `<BoS>`,
+`<eos>`; or by a marker) the `<bos>` slot of the document's next segment. A document's last byte closes
+its segment for the loss only, so a packed row gives its documents' logits. Causality: a slot reads bytes
+of its own segment up to itself and segments that closed before its segment began, so logits at t depend
+on tokens <= t only.
+
+Generation (`step`): a byte feeds the token encoder (one K/V column) and the router; when its segment
+closes (router, `<BoS>`/`<eos>`, or a marker), the open segment is pooled, run through the segment
+encoder once (its K/V cached) and its cross-attention K/V are stored; the decoder's self-attention cache
+then restarts at `<bos>`. The decoder therefore attends over one segment, never over the context.
 """
 
 from __future__ import annotations
@@ -35,18 +49,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import ModelOutput
 
 from .chunking import concept_attention_mask
 from .concept_stack import ConfigView
 from .configuration_lslm import LSLMConfig
+from .forward_only_cache import adopt_cache
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
 from .pooling import chunk_index, pool_concepts
 from .routing import gumbel_sigmoid, sample_gumbel_noise, straight_through
+from .segment_cache import RaggedStore, SegmentCache
 from .tokenization_lslm import BYTE_OFFSET
 
 
@@ -89,15 +105,19 @@ class SegmentCrossAttention(nn.Module):
         self.v_proj = nn.Linear(segment_width, self.num_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, width, bias=False)
 
+    def project_segments(self, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, M, D) segments -> keys and values (B, H, M, K), computed once per segment."""
+        shape = (*segments.shape[:2], self.num_heads, -1)
+        key = self.k_proj(segments).view(shape).transpose(1, 2)
+        return key, self.v_proj(segments).view(shape).transpose(1, 2)
+
     def forward(
-        self, slot_states: torch.Tensor, segments: torch.Tensor, allowed: torch.Tensor
+        self, slot_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
     ) -> torch.Tensor:
-        """(B, S, Dd) slots, (B, 1 + M, D) null + segments, (B, S, 1 + M) bool -> (B, S, Dd)."""
+        """(B, S, Dd) slots, (B, H, M, K) keys/values of null + segments, (B, S, M) bool -> (B, S, Dd)."""
         batch, slots, _ = slot_states.shape
         query = self.q_proj(slot_states).view(batch, slots, self.num_heads, -1).transpose(1, 2)
-        key = self.k_proj(segments).view(batch, segments.shape[1], self.num_heads, -1).transpose(1, 2)
-        value = self.v_proj(segments).view(batch, segments.shape[1], self.num_heads, -1).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None])
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None])
         return self.o_proj(attended.transpose(1, 2).reshape(batch, slots, -1))
 
 
@@ -113,60 +133,151 @@ class SegmentDecoderLayer(DecoderLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        segments: torch.Tensor,
+        cross_keys: torch.Tensor,
+        cross_values: torch.Tensor,
         cross_allowed: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values=None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         attended, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
+            past_key_values=past_key_values,
         )
         hidden_states = hidden_states + attended
-        crossed = self.cross_attn(self.cross_attention_layernorm(hidden_states), segments, cross_allowed)
+        crossed = self.cross_attn(
+            self.cross_attention_layernorm(hidden_states), cross_keys, cross_values, cross_allowed
+        )
         hidden_states = hidden_states + crossed
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), None
 
 
 @dataclass
+class ByteView:
+    """A batch with its marker ids taken out: every row's bytes (the ids the token encoder reads) keep
+    their order at the right end, pads and markers move to the left. All fields are (B, T).
+
+    `order`: the input column of each column; `ids`: byte ids (pad id elsewhere); `mask`: holds a byte;
+    `position_ids`: the byte's rank in its document; `documents`: document number (1-based, counted over
+    the input, so a document of markers only still has one; 0 elsewhere); `starts`: a document's first
+    byte; `marker_ends`: a marker follows the byte before its document's next byte. `input_bytes` and
+    `input_documents` are the byte flags and document numbers of the input columns.
+    """
+
+    order: torch.Tensor
+    ids: torch.Tensor
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    documents: torch.Tensor
+    starts: torch.Tensor
+    marker_ends: torch.Tensor
+    input_bytes: torch.Tensor
+    input_documents: torch.Tensor
+
+
+@dataclass
 class Segmentation:
-    """One pass's boundaries: `ends` (B, T) bool, `probs` q_t (B, T) float32, `forced` (B, T), the
-    straight-through `factor` (B, T), `index` (B, T) segment of each token (-1 pads), `starts` (B, T)."""
+    """One pass's boundaries over a `ByteView`, each (B, T): `ends` (byte t ends a segment), `probs` q_t
+    (float32), `forced` (ends not decided by the router: `<BoS>`, `<eos>`, a document's last byte, a byte
+    before a marker), `content_ends` (ends decided by the byte itself: the router, `<BoS>`, `<eos>`), the
+    straight-through `factor`, `index` (segment of each byte, -1 elsewhere) and `opens`."""
 
     ends: torch.Tensor
     probs: torch.Tensor
     forced: torch.Tensor
+    content_ends: torch.Tensor
     factor: torch.Tensor
     index: torch.Tensor
-    starts: torch.Tensor
+    opens: torch.Tensor
 
 
 @dataclass
 class DecoderSlots:
-    """The decoder's view of a row: `ids`, `targets` (-100: none), `segment` (-1: empty), `position`
-    (index within the segment) per slot, each (B, S), and `token_slot` (B, T) the slot of each token."""
+    """The decoder's view of a row, each (B, S): `ids`, `targets` (-100: none), `group` (slots that
+    attend to each other; -1: empty slot), `reads` (the slot reads its document's segments with index
+    below this), `document`, `position` (index within the segment); and `token_slot` (B, T), the slot of
+    each byte of the `ByteView`. After the segments' slots come one `<bos>` slot per input document for
+    the segment that would follow its last one (read when a document ends on a closed segment)."""
 
     ids: torch.Tensor
     targets: torch.Tensor
-    segment: torch.Tensor
+    group: torch.Tensor
+    reads: torch.Tensor
+    document: torch.Tensor
     position: torch.Tensor
     token_slot: torch.Tensor
+    num_segment_slots: int
 
 
 @dataclass
 class LSLMCausalLMOutput(ModelOutput):
     """Per-token logits plus the ELBO's parts (detached metrics): `lm_loss` (decoder cross-entropy, nats
-    per target), `kl_loss`, `boundary_rate` (segment ends per byte) and `bits_per_byte`."""
+    per target), `kl_loss`, `boundary_rate` (segment ends per free byte), `bits_per_byte`,
+    `compression_ratio` (bytes per segment) and `boundaries` (B, T) bool, True where an input token opens
+    a segment (DESIGN §3: b_t = 1; markers never open one)."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    past_key_values: Cache | None = None
     lm_loss: torch.Tensor | None = None
     kl_loss: torch.Tensor | None = None
     boundary_rate: torch.Tensor | None = None
     bits_per_byte: torch.Tensor | None = None
     compression_ratio: torch.Tensor | None = None
+    boundaries: torch.Tensor | None = None
+
+
+def _previous(values: torch.Tensor, fill) -> torch.Tensor:
+    """(B, T) -> the value of the column before (fill in column 0)."""
+    return F.pad(values, (1, 0), value=fill)[:, :-1]
+
+
+def byte_view(input_ids: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor, config) -> ByteView:
+    """Take `<bos>`/`<nxt>` markers out of (B, T) ids: they are boundary signals, not bytes."""
+    markers = mask & (
+        (input_ids == config.segment_start_token_id) | (input_ids == config.segment_end_token_id)
+    )
+    is_byte = mask & ~markers
+    documents = torch.cumsum(starts.long(), dim=1) * mask  # (B, T) input columns
+    order = torch.sort(is_byte.long(), dim=1, stable=True).indices
+    view_mask = torch.gather(is_byte, 1, order)
+    ids = torch.gather(input_ids, 1, order).masked_fill(~view_mask, config.pad_token_id)
+    view_documents = torch.gather(documents, 1, order) * view_mask
+    view_starts = view_mask & (view_documents != _previous(view_documents, -1))
+    rank = torch.cumsum(view_mask.long(), dim=1) - 1
+    first = torch.cummax(torch.where(view_starts, rank, 0), dim=1).values
+    position_ids = (rank - first).masked_fill(~view_mask, 0)
+    # The byte before each marker (same document) ends its segment.
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    last_byte = torch.cummax(torch.where(is_byte, columns, -1), dim=1).values
+    same_document = torch.gather(documents, 1, last_byte.clamp(min=0)) == documents
+    follows = markers & (last_byte >= 0) & same_document
+    marker_ends = torch.zeros_like(documents).scatter_add_(1, last_byte.clamp(min=0), follows.long()) > 0
+    return ByteView(
+        order=order,
+        ids=ids,
+        mask=view_mask,
+        position_ids=position_ids,
+        documents=view_documents,
+        starts=view_starts,
+        marker_ends=torch.gather(marker_ends, 1, order) & view_mask,
+        input_bytes=is_byte,
+        input_documents=documents,
+    )
+
+
+def document_causal_mask(mask: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: causal within a document over real columns; an empty query row reads itself
+    (a finite, unused output instead of NaN)."""
+    length = mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]
+    allowed = causal[None] & same & mask[:, None, :] & mask[:, :, None]
+    eye = torch.eye(length, dtype=torch.bool, device=mask.device)[None]
+    return (allowed | (eye & ~mask[:, :, None]))[:, None]
 
 
 class LSLMPreTrainedModel(PreTrainedModel):
@@ -226,47 +337,43 @@ class LSLMModel(LSLMPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def encode_tokens(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        """(B, T, Dt) causal token states (masks from masking_utils: padding and packed documents)."""
-        states = self.embed_tokens(input_ids)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=states,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
-        rope = self.token_rotary_emb(states, position_ids)
+    def new_cache(self) -> SegmentCache:
+        """An empty `SegmentCache` for this model."""
+        return SegmentCache(self.config.token_encoder_layers)
+
+    def encode_tokens(self, view: ByteView, cache: SegmentCache | None = None) -> torch.Tensor:
+        """(B, T, Dt) causal token states of the view's bytes (packed documents kept apart)."""
+        states = self.embed_tokens(view.ids)
+        mask = document_causal_mask(view.mask, view.documents)
+        rope = self.token_rotary_emb(states, view.position_ids)
         for layer in self.token_layers:
-            states, _ = layer(states, attention_mask=mask, position_embeddings=rope)
+            states, _ = layer(states, attention_mask=mask, position_embeddings=rope, past_key_values=cache)
         return self.token_norm(states)
 
-    def segment(self, input_ids, token_states, mask, starts) -> Segmentation:
-        """Boundaries (see the module docstring) and each token's segment."""
-        config = self.config
+    def segment(self, view: ByteView, token_states: torch.Tensor) -> Segmentation:
+        """Boundaries (see the module docstring) and each byte's segment."""
+        config, mask = self.config, view.mask
         logits = self.router(token_states)  # (B, T)
         probs = torch.sigmoid(logits)
         if self.training:
             relaxed = gumbel_sigmoid(logits, *sample_gumbel_noise(tuple(logits.shape), device=logits.device))
         else:
             relaxed = probs
-        # The last real token of a document that another document follows in the row ends a segment.
-        next_starts = torch.zeros_like(starts)
-        next_starts[:, :-1] = starts[:, 1:]
-        special = (input_ids == config.bos_token_id) | (input_ids == _first_id(config.eos_token_id))
-        forced = (special | next_starts) & mask
-        ends = ((relaxed >= config.boundary_threshold) | forced) & mask
+        # The last byte of a document that another document follows in the row ends a segment.
+        next_starts = F.pad(view.starts, (0, 1), value=False)[:, 1:]
+        special = (view.ids == config.bos_token_id) | (view.ids == _first_id(config.eos_token_id))
+        content_ends = ((relaxed >= config.boundary_threshold) | special) & mask
+        forced = (special | next_starts | view.marker_ends) & mask
+        ends = content_ends | forced
         factor = straight_through(relaxed, ends)
-        previous_end = torch.zeros_like(ends)
-        previous_end[:, 1:] = ends[:, :-1]
-        opens = (previous_end | starts) & mask
-        return Segmentation(ends, probs, forced, factor, chunk_index(opens, mask), starts)
+        opens = (_previous(ends, False) | view.starts) & mask
+        return Segmentation(ends, probs, forced, content_ends, factor, chunk_index(opens, mask), opens)
 
-    def encode_segments(self, token_states, segmentation: Segmentation, mask) -> tuple[torch.Tensor, ...]:
-        """(B, M, D) encoded segments, their (B, M) validity and (B, M) document ids."""
-        opens = segmentation.index >= 0
-        opens = opens & (F.pad(segmentation.index, (1, 0), value=-1)[:, :-1] != segmentation.index)
-        pooled, valid = pool_concepts(token_states, opens, mask, self.config.pooling)  # (B, M, Dt)
+    def encode_segments(
+        self, token_states, segmentation: Segmentation, view: ByteView, store: RaggedStore | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """(B, M, D) encoded segments, their (B, M) validity and (B, M) document numbers."""
+        pooled, valid = pool_concepts(token_states, segmentation.opens, view.mask, self.config.pooling)
         num_segments = pooled.shape[1]
         # Each segment carries the straight-through factor of the byte that closed it (1 while open).
         closing = torch.where(segmentation.ends, segmentation.index, num_segments)
@@ -277,9 +384,8 @@ class LSLMModel(LSLMPreTrainedModel):
         pooled = pooled * factor[:, :num_segments, None]
         if self.segment_in_proj is not None:
             pooled = self.segment_in_proj(pooled)
-        documents = torch.cumsum((segmentation.starts & mask).long(), dim=1)  # (B, T)
         segment_documents = torch.zeros_like(valid, dtype=torch.long)
-        segment_documents.scatter_(1, segmentation.index.clamp(min=0), documents.masked_fill(~mask, 0))
+        segment_documents.scatter_(1, segmentation.index.clamp(min=0), view.documents)
         first_of_document = torch.cummax(
             torch.where(
                 _segment_starts(segment_documents, valid), torch.arange(num_segments, device=valid.device), 0
@@ -291,79 +397,245 @@ class LSLMModel(LSLMPreTrainedModel):
         rope = self.rotary_emb(pooled, ordinal)
         states = pooled
         for layer in self.segment_layers:
-            states, _ = layer(states, attention_mask=attention, position_embeddings=rope)
+            states, _ = layer(
+                states, attention_mask=attention, position_embeddings=rope, past_key_values=store
+            )
         return self.segment_norm(states), valid, segment_documents
 
-    def decoder_slots(self, input_ids, segmentation: Segmentation, mask) -> DecoderSlots:
-        """Lay each segment out as [`<bos>`, its tokens] and say what each slot predicts."""
-        config = self.config
+    def decoder_slots(self, view: ByteView, segmentation: Segmentation) -> DecoderSlots:
+        """Lay each segment out as [`<bos>`, its bytes], say what each slot predicts, and add one pending
+        `<bos>` slot per document."""
+        config, mask, input_ids = self.config, view.mask, view.ids
         batch, length = input_ids.shape
         index = segmentation.index
-        rank = torch.cumsum(mask.long(), dim=1) - 1
-        token_slot = (rank + index + 1).masked_fill(~mask, -1)  # (B, T)
-        segment_open = mask & (F.pad(index, (1, 0), value=-1)[:, :-1] != index)
-        num_slots = int((mask.sum(1) + (index.max(dim=1).values + 1)).max()) if mask.any() else 0
-        ids = input_ids.new_full((batch, num_slots + 1), config.pad_token_id)
-        segment = input_ids.new_full((batch, num_slots + 1), -1)
-        position = input_ids.new_zeros((batch, num_slots + 1))
-        targets = input_ids.new_full((batch, num_slots + 1), -100)
-        sink = num_slots  # pads write here, then it is dropped
+        num_segments = int(index.max()) + 1 if index.numel() else 0
+        token_slot = (torch.cumsum(mask.long(), dim=1) - 1 + index + 1).masked_fill(~mask, -1)  # (B, T)
+        num_slots = int(token_slot.max()) + 1 if mask.any() else 0
+        fields = {
+            name: input_ids.new_full((batch, num_slots + 1), fill)
+            for name, fill in (
+                ("ids", config.pad_token_id),
+                ("group", -1),
+                ("document", -1),
+                ("targets", -100),
+            )
+        }
+        fields["position"] = input_ids.new_zeros((batch, num_slots + 1))
+        sink = num_slots  # bytes of no slot write here, then it is dropped
         slot = token_slot.masked_fill(~mask, sink)
-        bos_slot = (slot - 1).masked_fill(~segment_open, sink)
-        segment_first = torch.cummax(
-            torch.where(segment_open, torch.arange(length, device=mask.device), 0), 1
-        ).values
-        ids.scatter_(1, slot, input_ids)
-        ids.scatter_(1, bos_slot, torch.full_like(input_ids, config.segment_start_token_id))
-        segment.scatter_(1, slot, index)
-        segment.scatter_(1, bos_slot, index)
-        position.scatter_(1, slot, torch.arange(length, device=mask.device) - segment_first + 1)
-        # Targets: the next token of the segment, `<nxt>` after a closing byte, nothing after `<eos>`,
-        # nothing in `<BoS>`'s segment, nothing after the last byte of a row's still-open segment.
+        bos_slot = (slot - 1).masked_fill(~segmentation.opens, sink)
+        columns = torch.arange(length, device=mask.device)
+        segment_first = torch.cummax(torch.where(segmentation.opens, columns, 0), 1).values
+        for target, values in (
+            (slot, input_ids),
+            (bos_slot, torch.full_like(input_ids, config.segment_start_token_id)),
+        ):
+            fields["ids"].scatter_(1, target, values)
+            fields["group"].scatter_(1, target, index)
+            fields["document"].scatter_(1, target, view.documents)
+        fields["position"].scatter_(1, slot, columns - segment_first + 1)
+        # Targets: the next byte of the segment, `<nxt>` after a closing byte, nothing after `<eos>`, nothing
+        # in `<BoS>`'s segment, nothing after the last byte of a row's still-open segment.
         next_ids = F.pad(input_ids, (0, 1), value=config.pad_token_id)[:, 1:]
         token_targets = torch.where(segmentation.ends, config.segment_end_token_id, next_ids)
         last_real = mask & ~F.pad(mask, (0, 1), value=False)[:, 1:]
         token_targets = token_targets.masked_fill((last_real & ~segmentation.ends) | ~mask, -100)
         token_targets = token_targets.masked_fill(input_ids == _first_id(config.eos_token_id), -100)
         in_bos_segment = torch.gather(input_ids, 1, segment_first) == config.bos_token_id
-        targets.scatter_(1, slot, token_targets.masked_fill(in_bos_segment, -100))
-        targets.scatter_(1, bos_slot, input_ids.masked_fill(in_bos_segment, -100))
-        return DecoderSlots(
-            ids[:, :num_slots],
-            targets[:, :num_slots],
-            segment[:, :num_slots],
-            position[:, :num_slots],
-            token_slot,
+        fields["targets"].scatter_(1, slot, token_targets.masked_fill(in_bos_segment, -100))
+        fields["targets"].scatter_(1, bos_slot, input_ids.masked_fill(in_bos_segment, -100))
+        fields = {name: tensor[:, :num_slots] for name, tensor in fields.items()}
+        fields["reads"] = fields["group"].clamp(min=0)
+        return _with_pending_slots(
+            fields, view, config.segment_start_token_id, num_segments, token_slot, num_slots
         )
 
     def decode(self, slots: DecoderSlots, segments, segment_valid, segment_documents) -> torch.Tensor:
         """(B, S, Dd) normed decoder states of every slot."""
         states = self.decoder_embed_tokens(slots.ids)
-        valid = slots.segment >= 0
-        same_segment = slots.segment[:, :, None] == slots.segment[:, None, :]
+        valid = slots.group >= 0
         order = torch.arange(slots.ids.shape[1], device=valid.device)
-        self_allowed = same_segment & valid[:, None, :] & (order[None, :] <= order[:, None])[None]
+        self_allowed = (slots.group[:, :, None] == slots.group[:, None, :]) & valid[:, None, :]
+        self_allowed = self_allowed & (order[None, :] <= order[:, None])[None]
         self_allowed = self_allowed | torch.eye(len(order), dtype=torch.bool, device=valid.device)[None]
-        slot_documents = torch.gather(segment_documents, 1, slots.segment.clamp(min=0))
         earlier = (
-            torch.arange(segments.shape[1], device=valid.device)[None, None, :] < slots.segment[:, :, None]
+            torch.arange(segments.shape[1], device=valid.device)[None, None, :] < slots.reads[:, :, None]
         )
-        same_document = segment_documents[:, None, :] == slot_documents[:, :, None]
-        cross_allowed = earlier & same_document & segment_valid[:, None, :]
-        null = self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1)
-        segments = torch.cat([null, segments], dim=1)
-        cross_allowed = F.pad(cross_allowed, (1, 0), value=True)
+        same_document = segment_documents[:, None, :] == slots.document[:, :, None]
+        cross_allowed = F.pad(earlier & same_document & segment_valid[:, None, :], (1, 0), value=True)
+        table = torch.cat(
+            [self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1), segments], 1
+        )
         rope = self.decoder_rotary_emb(states, slots.position)
-        self_mask = self_allowed[:, None]
-        if self.config._attn_implementation == "eager":
-            self_mask = torch.zeros(self_mask.shape, dtype=states.dtype, device=valid.device).masked_fill(
-                ~self_mask, torch.finfo(states.dtype).min
-            )
         for layer in self.decoder_layers:
+            keys, values = layer.cross_attn.project_segments(table)
             states, _ = layer(
-                states, segments, cross_allowed, attention_mask=self_mask, position_embeddings=rope
+                states,
+                keys,
+                values,
+                cross_allowed,
+                attention_mask=self_allowed[:, None],
+                position_embeddings=rope,
             )
         return self.decoder_norm(states)
+
+    # Generation: the parallel pass fills a SegmentCache, then `step` advances it one input column.
+
+    def fill_cache(self, cache: SegmentCache, view: ByteView, token_states, segmentation, segments) -> None:
+        """Complete `cache` after a parallel pass over one document per row (its token-encoder K/V and
+        segment-encoder K/V were stored during the pass): cross K/V, the open segment, decoder K/V."""
+        closed = closed_segments(segmentation, view)
+        count = (segmentation.index.max(dim=1).values + 1).clamp(min=0)
+        cache.token_valid, cache.byte_counts = view.mask, view.mask.sum(dim=1)
+        table = torch.cat(
+            [self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1), segments], 1
+        )
+        cache.cross_store.fill(closed + 1)
+        for layer in self.decoder_layers:
+            cache.cross_store.update(*layer.cross_attn.project_segments(table), layer.layer_idx)
+        # The open segment's bytes, left-aligned (the view's bytes sit at the right end of each row).
+        in_open = view.mask & (segmentation.index == (count - 1)[:, None]) & (closed < count)[:, None]
+        cache.open_counts = in_open.sum(dim=1)
+        width = int(cache.open_counts.max()) if in_open.numel() else 0
+        order = torch.sort((~in_open).long(), dim=1, stable=True).indices[:, :width]
+        cache.open_states = torch.gather(
+            token_states, 1, order[..., None].expand(-1, -1, token_states.shape[-1])
+        )
+        ids = torch.gather(view.ids, 1, order)
+        ids = torch.cat([ids.new_full((ids.shape[0], 1), self.config.segment_start_token_id), ids], dim=1)
+        lengths = cache.open_counts + 1
+        self.run_decoder_slots(cache, ids, lengths)
+
+    def run_decoder_slots(self, cache: SegmentCache, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Fill the decoder store with (B, n) left-aligned slots [`<bos>`, open bytes] of `lengths` each."""
+        store = cache.decoder_store
+        store.fill(lengths)
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        valid = positions < lengths[:, None]
+        self_allowed = document_causal_mask(valid, valid.long())
+        states = self.decoder_embed_tokens(ids)
+        rope = self.decoder_rotary_emb(states, positions)
+        self.decoder_pass(cache, states, self_allowed, rope)
+
+    def decoder_pass(self, cache: SegmentCache, states, self_allowed, rope) -> torch.Tensor:
+        """Decoder layers over new slots, self K/V into the decoder store, cross K/V from the cross store."""
+        cross = cache.cross_store
+        cross_allowed = cross.allowed()[:, None, :].expand(-1, states.shape[1], -1)
+        width = cross_allowed.shape[-1]
+        for layer in self.decoder_layers:
+            keys = cross.keys[layer.layer_idx][:, :, :width]
+            values = cross.values[layer.layer_idx][:, :, :width]
+            states, _ = layer(
+                states,
+                keys,
+                values,
+                cross_allowed,
+                attention_mask=self_allowed,
+                position_embeddings=rope,
+                past_key_values=cache.decoder_store,
+            )
+        return self.decoder_norm(states)
+
+    def step(self, input_ids: torch.Tensor, real: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
+        """One input column: (B,) ids and (B,) real flags -> (B, Dd) normed decoder state of its logits.
+
+        A byte feeds the token encoder and the router; it closes its segment when the router (or `<BoS>`
+        / `<eos>`) says so, a marker closes any open segment; after a close the decoder restarts at
+        `<bos>` with one more segment to read. Pads (real = False) change nothing.
+        """
+        config = self.config
+        is_marker = real & (
+            (input_ids == config.segment_start_token_id) | (input_ids == config.segment_end_token_id)
+        )
+        is_byte = real & ~is_marker
+        token_states = self.token_step(input_ids, is_byte, cache)  # (B, Dt)
+        probs = torch.sigmoid(self.router(token_states[:, None]))[:, 0]
+        special = (input_ids == config.bos_token_id) | (input_ids == _first_id(config.eos_token_id))
+        content_ends = is_byte & ((probs >= config.boundary_threshold) | special)
+        cache.push_open_states(token_states, is_byte)
+        closing = content_ends | (is_marker & (cache.open_counts > 0))
+        if bool(closing.any()):
+            self.close_segments(cache, closing)
+        restart = closing | is_marker
+        store = cache.decoder_store
+        store.reset(restart)
+        ids = torch.where(restart, config.segment_start_token_id, input_ids)[:, None]
+        states = self.decoder_embed_tokens(ids)
+        rope = self.decoder_rotary_emb(states, store.lengths[:, None])
+        store.begin(real)
+        states = self.decoder_pass(cache, states, store.allowed()[:, None, None, :], rope)
+        store.end()
+        cache.items += 1
+        return states[:, 0]
+
+    def token_step(self, input_ids: torch.Tensor, is_byte: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
+        """Token encoder over one column; non-byte rows leave an unattended hole. -> (B, Dt)."""
+        valid = torch.cat([cache.token_valid, is_byte[:, None]], dim=1)
+        allowed = valid.clone()
+        allowed[:, -1] = True  # a non-byte row reads at least itself (unused, finite)
+        states = self.embed_tokens(input_ids[:, None])
+        rope = self.token_rotary_emb(states, cache.byte_counts[:, None])
+        for layer in self.token_layers:
+            states, _ = layer(
+                states,
+                attention_mask=allowed[:, None, None, :],
+                position_embeddings=rope,
+                past_key_values=cache,
+            )
+        cache.token_valid = valid
+        cache.byte_counts = cache.byte_counts + is_byte.long()
+        return self.token_norm(states)[:, 0]
+
+    def close_segments(self, cache: SegmentCache, closing: torch.Tensor) -> None:
+        """Pool the open segment of the `closing` (B,) rows, encode it, append its cross K/V."""
+        width = cache.open_states.shape[1]
+        mask = torch.arange(width, device=closing.device)[None, :] < cache.open_counts[:, None]
+        opens = mask & (torch.arange(width, device=closing.device) == 0)[None, :]
+        pooled, _ = pool_concepts(cache.open_states, opens, mask, self.config.pooling)
+        pooled = pooled[:, :1]  # (B, 1, Dt); rows with nothing open pool to zeros, unused
+        if self.segment_in_proj is not None:
+            pooled = self.segment_in_proj(pooled)
+        store = cache.segment_store
+        rope = self.rotary_emb(pooled, store.lengths[:, None])
+        store.begin(closing)
+        allowed = store.allowed()[:, None, None, :]
+        states = pooled
+        for layer in self.segment_layers:
+            states, _ = layer(states, attention_mask=allowed, position_embeddings=rope, past_key_values=store)
+        store.end()
+        states = self.segment_norm(states)
+        cache.cross_store.begin(closing)
+        for layer in self.decoder_layers:
+            cache.cross_store.update(*layer.cross_attn.project_segments(states), layer.layer_idx)
+        cache.cross_store.end()
+        cache.open_counts = cache.open_counts.masked_fill(closing, 0)
+
+
+def _with_pending_slots(
+    fields: dict[str, torch.Tensor],
+    view: ByteView,
+    start_id: int,
+    num_segments: int,
+    token_slot,
+    num_slots: int,
+) -> DecoderSlots:
+    """Append one `<bos>` slot per input document (document d at column num_slots + d - 1): the segment
+    that would follow the document's last one, reading all of its segments."""
+    batch = view.ids.shape[0]
+    documents_per_row = view.input_documents.amax(dim=1) if view.ids.shape[1] else view.ids.new_zeros(batch)
+    num_pending = int(documents_per_row.max()) if batch else 0
+    number = torch.arange(1, num_pending + 1, device=view.ids.device).expand(batch, -1)
+    present = number <= documents_per_row[:, None]
+    pending = dict(
+        ids=torch.full_like(number, start_id),
+        targets=torch.full_like(number, -100),
+        group=torch.where(present, num_segments + number - 1, -1),
+        reads=torch.full_like(number, num_segments),
+        document=torch.where(present, number, -1),
+        position=torch.zeros_like(number),
+    )
+    merged = {name: torch.cat([fields[name], pending[name]], dim=1) for name in pending}
+    return DecoderSlots(**merged, token_slot=token_slot, num_segment_slots=num_slots)
 
 
 def _segment_starts(segment_documents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -376,11 +648,37 @@ def _first_id(token_id: int | list[int] | None) -> int:
     return token_id[0] if isinstance(token_id, list) else (-1 if token_id is None else token_id)
 
 
+def token_slots(view: ByteView, segmentation: Segmentation, slots: DecoderSlots) -> torch.Tensor:
+    """(B, T) the slot whose logits each input column reports: the slot of its byte while the byte's
+    segment is open; once the segment is closed (by the byte itself or by a marker) the `<bos>` slot of
+    the document's next segment (or its pending slot when no byte follows)."""
+    length = view.order.shape[1]
+    columns = torch.arange(length, device=view.order.device).expand_as(view.order)
+    inverse = torch.argsort(view.order, dim=1)  # (B, T) view column of each input column
+    is_byte, documents = view.input_bytes, view.input_documents
+    last = torch.cummax(torch.where(is_byte, columns, -1), dim=1).values
+    # The first byte strictly after each column (length when none).
+    following = torch.where(is_byte, columns, length).flip(1).cummin(dim=1).values.flip(1)
+    following = F.pad(following, (0, 1), value=length)[:, 1:]
+    has_next = (following < length) & (
+        torch.gather(documents, 1, following.clamp(max=length - 1)) == documents
+    )
+    last_view = torch.gather(inverse, 1, last.clamp(min=0))
+    next_view = torch.gather(inverse, 1, following.clamp(max=length - 1))
+    open_segment = is_byte & ~torch.gather(segmentation.content_ends, 1, last_view)
+    own = torch.gather(slots.token_slot, 1, last_view)
+    next_bos = torch.gather(slots.token_slot, 1, next_view) - 1
+    pending = slots.num_segment_slots + documents - 1
+    return torch.where(open_segment, own, torch.where(has_next, next_bos, pending)).clamp(min=0)
+
+
 class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
     """Byte-level LSLM: (B, T) ids (the `ByteTokenizer`'s) -> (B, T, V) logits of the next input token.
 
     With `labels` (any tensor; the targets come from `input_ids`, see the module docstring), loss = the
-    ELBO's negative: decoder cross-entropy + `kl_weight` · KL.
+    ELBO's negative: decoder cross-entropy + `kl_weight` · KL. With `use_cache` (what `generate` asks
+    for) the first call runs the parallel pass and fills a `SegmentCache`; later calls advance it one
+    input column at a time.
     """
 
     def __init__(self, config: LSLMConfig) -> None:
@@ -394,34 +692,56 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         **kwargs: Any,
     ) -> LSLMCausalLMOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
+        cache = adopt_cache(past_key_values, SegmentCache, self.model.new_cache, bool(use_cache), "LSLM")
+        if cache is not None and cache.get_seq_length() > 0:
+            mask = token_mask(attention_mask, tuple(input_ids.shape), input_ids.device)
+            steps = [
+                self.model.step(input_ids[:, column], mask[:, column], cache)
+                for column in range(mask.shape[1])
+            ]
+            output = LSLMCausalLMOutput(logits=self.lm_head(torch.stack(steps, dim=1)), past_key_values=cache)
+        else:
+            output = self.parallel_pass(input_ids, attention_mask, position_ids, labels, cache)
+        return output.to_tuple() if return_dict is False else output
+
+    def parallel_pass(self, input_ids, attention_mask, position_ids, labels, cache) -> LSLMCausalLMOutput:
+        """Every segment at once (training, full recomputation, the prefill of generation)."""
         model = self.model
         batch, length = input_ids.shape
         mask = token_mask(attention_mask, (batch, length), input_ids.device)
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, length, 0, input_ids.device)
-        position_ids = position_ids.expand(batch, -1)
-        starts = document_starts(mask, position_ids)
-        token_states = model.encode_tokens(input_ids, attention_mask, position_ids)
-        segmentation = model.segment(input_ids, token_states, mask, starts)
-        segments, segment_valid, segment_documents = model.encode_segments(token_states, segmentation, mask)
-        slots = model.decoder_slots(input_ids, segmentation, mask)
+        starts = document_starts(mask, position_ids.expand(batch, -1))
+        view = byte_view(input_ids, mask, starts, self.config)
+        if cache is not None and bool((view.input_documents.amax(dim=1) > 1).any()):
+            raise ValueError("use_cache with packed documents: generation continues one document per row")
+        token_states = model.encode_tokens(view, cache)
+        segmentation = model.segment(view, token_states)
+        segment_store = None
+        if cache is not None:
+            segment_store = cache.segment_store
+            segment_store.fill(closed_segments(segmentation, view))
+        segments, segment_valid, segment_documents = model.encode_segments(
+            token_states, segmentation, view, segment_store
+        )
+        slots = model.decoder_slots(view, segmentation)
         slot_logits = self.lm_head(
             model.decode(slots, segments, segment_valid, segment_documents)
         )  # (B, S, V)
-        # After a closing byte the next input token is the next segment's first: read its `<bos>` slot.
-        next_real = F.pad(mask, (0, 1), value=False)[:, 1:] & ~F.pad(starts, (0, 1), value=False)[:, 1:]
-        flat_slot = slots.token_slot + (segmentation.ends & next_real).long()
-        logits = torch.gather(
-            slot_logits, 1, flat_slot.clamp(min=0)[..., None].expand(-1, -1, slot_logits.shape[-1])
-        )
-        output = LSLMCausalLMOutput(
-            logits=logits, **self.elbo(slot_logits, slots, segmentation, mask, labels)
-        )
-        return output.to_tuple() if return_dict is False else output
+        flat_slot = token_slots(view, segmentation, slots)
+        logits = torch.gather(slot_logits, 1, flat_slot[..., None].expand(-1, -1, slot_logits.shape[-1]))
+        boundaries = torch.zeros_like(mask).scatter_(1, view.order, segmentation.opens)
+        if cache is not None:
+            model.fill_cache(cache, view, token_states, segmentation, segments)
+            cache.items = length
+        fields = self.elbo(slot_logits, slots, segmentation, view.mask, labels)
+        return LSLMCausalLMOutput(logits=logits, past_key_values=cache, boundaries=boundaries, **fields)
 
     def elbo(self, slot_logits, slots: DecoderSlots, segmentation: Segmentation, mask, labels) -> dict:
         """The loss (when `labels` is given) and the metrics."""
@@ -452,6 +772,13 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
             bits_per_byte=bits.detach(),
         )
         return fields
+
+
+def closed_segments(segmentation: Segmentation, view: ByteView) -> torch.Tensor:
+    """(B,) segments of each row that have closed (all of them unless the last byte's is still open)."""
+    count = (segmentation.index.max(dim=1).values + 1).clamp(min=0)
+    last_open = view.mask[:, -1] & ~segmentation.ends[:, -1] if view.mask.shape[1] else count.bool()
+    return count - last_open.long()
 
 
 LSLMModel.register_for_auto_class("AutoModel")

@@ -1,11 +1,15 @@
-"""LSLM's segment layout written with loops: one segment, one document at a time.
+"""LSLM's semantics written with loops: one input column, one segment, one document at a time.
 
 `reference_logits(model, input_ids, position_ids)` recomputes an `LSLMForCausalLM`'s per-token logits and
-decoder loss for ONE row (no padding; packed documents allowed) with the model's own weights, token
-encoder and boundary decisions (eval mode, so decisions are deterministic and the straight-through
-factor is exactly 1), but none of its vectorised bookkeeping: segments are Python lists, each document's
-segments run through the segment encoder alone, and each segment runs through the decoder alone as
-[`<bos>`, its tokens] with cross-attention to [null] + the encoded segments before it in its document.
+decoder loss for ONE row (no padding; packed documents and `<bos>`/`<nxt>` markers allowed) with the
+model's own weights and router (eval mode: decisions are deterministic, the straight-through factor is
+exactly 1), but none of its vectorised bookkeeping. It walks the input columns as generation does:
+- markers are not bytes: the token encoder reads the row with them taken out (positions count bytes);
+- a byte joins the open segment, which it closes if the router says so or it is `<BoS>`/`<eos>`; a marker
+  closes the open segment; a document's last byte closes its segment for the loss only;
+- each column's logits come from the decoder run alone over [`<bos>`, the open segment's bytes] with
+  cross-attention to [null] + the closed segments of its document (encoded one document at a time), or,
+  when nothing is open, over [`<bos>`] alone.
 """
 
 from __future__ import annotations
@@ -16,39 +20,10 @@ import torch.nn.functional as F
 from hf_concept.modeling.packing import document_starts
 
 
-def _segments_of(ends: list[bool], starts: list[bool]) -> list[list[int]]:
-    """Token positions of each segment, in order; a document start always opens one."""
-    segments: list[list[int]] = []
-    open_segment: list[int] = []
-    for position, (ended, starting) in enumerate(zip(ends, starts, strict=True)):
-        if starting and open_segment:
-            segments.append(open_segment)
-            open_segment = []
-        open_segment.append(position)
-        if ended:
-            segments.append(open_segment)
-            open_segment = []
-    if open_segment:
-        segments.append(open_segment)
-    return segments
-
-
-def _pool(token_states: torch.Tensor, positions: list[int], pooling: str) -> torch.Tensor:
-    rows = token_states[positions]
-    if pooling == "mean":
-        return rows.mean(dim=0)
-    hops = int(pooling.split(":")[1])
-    return rows[-(hops + 1) :].sum(dim=0)
-
-
 def _run(layers, states: torch.Tensor, rope_module, positions: torch.Tensor, extra=None) -> torch.Tensor:
     """Layers over one (1, n, ·) sequence with an explicit causal boolean mask."""
     length = states.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
-    if layers and layers[0].self_attn.config._attn_implementation == "eager":
-        causal = torch.zeros(causal.shape, dtype=states.dtype).masked_fill(
-            ~causal, torch.finfo(states.dtype).min
-        )
     rope = rope_module(states, positions[None])
     for layer in layers:
         if extra is None:
@@ -58,78 +33,113 @@ def _run(layers, states: torch.Tensor, rope_module, positions: torch.Tensor, ext
     return states
 
 
+def _pool(token_states: torch.Tensor, pooling: str) -> torch.Tensor:
+    if pooling == "mean":
+        return token_states.mean(dim=0)
+    hops = int(pooling.split(":")[1])
+    return token_states[-(hops + 1) :].sum(dim=0)
+
+
+def _byte_states(
+    backbone, ids: list[int], documents: list[int], is_byte: list[bool]
+) -> dict[int, torch.Tensor]:
+    """Token-encoder state of each byte column, each document's bytes run alone."""
+    states: dict[int, torch.Tensor] = {}
+    for document in sorted(set(documents)):
+        columns = [c for c, d in enumerate(documents) if d == document and is_byte[c]]
+        if not columns:
+            continue
+        hidden = backbone.embed_tokens(torch.tensor([[ids[c] for c in columns]]))
+        hidden = _run(backbone.token_layers, hidden, backbone.token_rotary_emb, torch.arange(len(columns)))
+        for index, column in enumerate(columns):
+            states[column] = backbone.token_norm(hidden)[0, index]
+    return states
+
+
+def _encode(backbone, pooled: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Segment-encoder states of one document's closed segments, in order."""
+    if not pooled:
+        return []
+    rows = torch.stack(pooled)
+    if backbone.segment_in_proj is not None:
+        rows = backbone.segment_in_proj(rows)
+    states = _run(backbone.segment_layers, rows[None], backbone.rotary_emb, torch.arange(len(pooled)))
+    return list(backbone.segment_norm(states)[0])
+
+
+def _decode(model, slot_ids: list[int], encoded: list[torch.Tensor]) -> torch.Tensor:
+    """(n, V) logits of the decoder over [`<bos>`, bytes] reading [null] + `encoded`."""
+    backbone = model.model
+    table = torch.stack([backbone.null_segment, *encoded])[None]
+    states = backbone.decoder_embed_tokens(torch.tensor([slot_ids]))
+    positions = torch.arange(len(slot_ids))
+    rope = backbone.decoder_rotary_emb(states, positions[None])
+    causal = torch.ones(len(slot_ids), len(slot_ids), dtype=torch.bool).tril()[None, None]
+    allowed = torch.ones(1, len(slot_ids), table.shape[1], dtype=torch.bool)
+    for layer in backbone.decoder_layers:
+        keys, values = layer.cross_attn.project_segments(table)
+        states, _ = layer(states, keys, values, allowed, attention_mask=causal, position_embeddings=rope)
+    return model.lm_head(backbone.decoder_norm(states))[0]
+
+
 @torch.no_grad()
 def reference_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
     """((T, V) per-token logits, decoder cross-entropy in nats per target) for a (1, T) row."""
     config, backbone = model.config, model.model
-    length = input_ids.shape[1]
-    mask = torch.ones_like(input_ids, dtype=torch.bool)
+    ids = input_ids[0].tolist()
     if position_ids is None:
-        position_ids = torch.arange(length)[None]
-    starts = document_starts(mask, position_ids)
-    token_states = backbone.encode_tokens(input_ids, None, position_ids)
-    ends = backbone.segment(input_ids, token_states, mask, starts).ends[0].tolist()
-    ids, starts_list = input_ids[0].tolist(), starts[0].tolist()
-    segments = _segments_of(ends, starts_list)
-    documents = torch.cumsum(starts[0].long(), 0).tolist()
-    encoded: dict[int, torch.Tensor] = {}
-    for document in sorted(set(documents)):
-        members = [index for index, seg in enumerate(segments) if documents[seg[0]] == document]
-        pooled = torch.stack([_pool(token_states[0], segments[index], config.pooling) for index in members])
-        if backbone.segment_in_proj is not None:
-            pooled = backbone.segment_in_proj(pooled)
-        states = _run(backbone.segment_layers, pooled[None], backbone.rotary_emb, torch.arange(len(members)))
-        for ordinal, index in enumerate(members):
-            encoded[index] = backbone.segment_norm(states[0, ordinal])
-    slot_logits: list[torch.Tensor] = []
-    for index, seg in enumerate(segments):
-        earlier = [encoded[k] for k in range(index) if documents[segments[k][0]] == documents[seg[0]]]
-        table = torch.stack([backbone.null_segment, *earlier])[None]
-        slot_ids = torch.tensor([[config.segment_start_token_id] + [ids[p] for p in seg]])
-        states = backbone.decoder_embed_tokens(slot_ids)
-        allowed = torch.ones(1, slot_ids.shape[1], table.shape[1], dtype=torch.bool)
-        states = _run(
-            backbone.decoder_layers,
-            states,
-            backbone.decoder_rotary_emb,
-            torch.arange(slot_ids.shape[1]),
-            extra=(table, allowed),
-        )
-        slot_logits.append(model.lm_head(backbone.decoder_norm(states))[0])
-    return _token_logits(ids, ends, starts_list, segments, slot_logits), _loss(
-        ids, ends, segments, slot_logits, config
-    )
+        position_ids = torch.arange(len(ids))[None]
+    starts = document_starts(torch.ones_like(input_ids, dtype=torch.bool), position_ids)[0].tolist()
+    documents = torch.cumsum(torch.tensor(starts).long(), 0).tolist()
+    markers = (config.segment_start_token_id, config.segment_end_token_id)
+    is_byte = [token not in markers for token in ids]
+    byte_states = _byte_states(backbone, ids, documents, is_byte)
+    special = (config.bos_token_id, config.eos_token_id)
+    logits, segments = [], []  # segments: (document, byte columns, closed by a boundary)
+    open_columns: list[int] = []
+    pooled: list[torch.Tensor] = []
+    for column, token in enumerate(ids):
+        if starts[column]:
+            if open_columns:
+                segments.append((documents[column - 1], open_columns, True))
+            open_columns, pooled = [], []
+        if is_byte[column]:
+            open_columns.append(column)
+            q = torch.sigmoid(backbone.router(byte_states[column][None, None]))[0, 0]
+            closes = bool(q >= config.boundary_threshold) or token in special
+        else:
+            closes = bool(open_columns)
+        if closes:
+            pooled.append(_pool(torch.stack([byte_states[c] for c in open_columns]), config.pooling))
+            segments.append((documents[column], open_columns, True))
+            open_columns = []
+        encoded = _encode(backbone, pooled)
+        slot_ids = [config.segment_start_token_id] + [ids[c] for c in open_columns]
+        logits.append(_decode(model, slot_ids, encoded)[-1])
+    if open_columns:
+        segments.append((documents[-1], open_columns, False))
+    return torch.stack(logits), _loss(model, ids, segments, byte_states)
 
 
-def _token_logits(ids, ends, starts, segments, slot_logits) -> torch.Tensor:
-    """Token t: its own slot, or the next segment's `<bos>` slot after it closes a segment (same document)."""
-    where = {}
-    for index, seg in enumerate(segments):
-        for offset, position in enumerate(seg):
-            where[position] = (index, offset + 1)
-    rows = []
-    for position in range(len(ids)):
-        index, slot = where[position]
-        next_in_document = position + 1 < len(ids) and not starts[position + 1]
-        if ends[position] and next_in_document:
-            index, slot = index + 1, 0
-        rows.append(slot_logits[index][slot])
-    return torch.stack(rows)
-
-
-def _loss(ids, ends, segments, slot_logits, config) -> torch.Tensor:
+def _loss(model, ids, segments, byte_states) -> torch.Tensor:
     """Mean cross-entropy over the decoder's targets (the module docstring of modeling_lslm)."""
+    config, backbone = model.config, model.model
     total, count = 0.0, 0
-    for index, seg in enumerate(segments):
-        if ids[seg[0]] == config.bos_token_id:
+    pooled: dict[int, list[torch.Tensor]] = {}
+    for document, columns, closed in segments:
+        encoded = _encode(backbone, pooled.get(document, []))
+        pooled.setdefault(document, []).append(
+            _pool(torch.stack([byte_states[c] for c in columns]), config.pooling)
+        )
+        if ids[columns[0]] == config.bos_token_id:
             continue
-        targets = [ids[p] for p in seg]
-        last = seg[-1]
-        if ends[last] and ids[last] != config.eos_token_id:
+        slot_logits = _decode(model, [config.segment_start_token_id] + [ids[c] for c in columns], encoded)
+        targets = [ids[c] for c in columns]
+        if closed and ids[columns[-1]] != config.eos_token_id:
             targets.append(config.segment_end_token_id)
         for slot, target in enumerate(targets):
-            if slot > 0 and ids[seg[slot - 1]] == config.eos_token_id:
+            if slot > 0 and ids[columns[slot - 1]] == config.eos_token_id:
                 continue
-            total = total + F.cross_entropy(slot_logits[index][slot].float()[None], torch.tensor([target]))
+            total = total + F.cross_entropy(slot_logits[slot].float()[None], torch.tensor([target]))
             count += 1
     return total / max(count, 1)

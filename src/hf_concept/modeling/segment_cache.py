@@ -1,0 +1,179 @@
+"""`SegmentCache`: the decoding cache of the LSLM family (DESIGN §5, LSLM §2.3).
+
+Legend: B batch, G key/value heads, K head dim, T bytes fed to the token encoder, W the longest stored
+row of a ragged store, Dt token-encoder width.
+
+What one generation step needs, and where it is kept:
+- token encoder: K/V of every byte (`self.layers`, one `DynamicLayer` per token-encoder layer; every step
+  appends one column to every row, `token_valid` (B, T) says which columns hold bytes, so a marker or a
+  pad step leaves an unattended hole);
+- the open segment: the token states of its bytes (`open_states` (B, W, Dt), `open_counts` (B,)), pooled
+  once when the segment closes;
+- segment encoder: K/V of each closed segment (`segment_store`, ragged: rows close segments at different
+  steps);
+- cross-attention: each decoder layer's K/V of the null segment and of every encoded segment
+  (`cross_store`, ragged), computed once per segment;
+- decoder self-attention: K/V of the current segment's slots, `<bos>` first (`decoder_store`, ragged),
+  emptied whenever a segment closes, so the decoder attends over one segment, never the context.
+
+`get_seq_length()` counts the input columns seen (bytes, markers and pads alike), as `generate` needs.
+Batch operations (`reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`) act on every
+per-row tensor. Rolling back is not supported (`is_croppable` is False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from .forward_only_cache import ForwardOnlyCache
+
+
+class RaggedStore:
+    """Per-layer keys/values kept left-aligned per row: row b holds `lengths[b]` entries.
+
+    Two ways in: a parallel fill (`fill(lengths)`, then one `update` per layer storing whole (B, G, n, K)
+    tensors), or a step (`begin(writing)`, one `update` per layer writing one entry at each writing row's
+    length, `end()`). `allowed()` is the (B, W) mask of stored entries a query may read.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.lengths: torch.Tensor | None = None
+        self.writing: torch.Tensor | None = None
+
+    def fill(self, lengths: torch.Tensor) -> None:
+        """The next `update` per layer stores its whole tensors; rows keep `lengths` (B,) entries."""
+        self.keys, self.values, self.lengths, self.writing = {}, {}, lengths.clone(), None
+
+    def begin(self, writing: torch.Tensor) -> None:
+        """Each `update` until `end()` appends one entry to the rows where `writing` (B,) is True."""
+        self.writing = writing
+
+    def end(self) -> None:
+        self.lengths = self.lengths + self.writing.long()
+        self.writing = None
+
+    def width(self) -> int:
+        lengths = self.lengths if self.writing is None else self.lengths + self.writing.long()
+        return max(int(lengths.max()), 1) if lengths.numel() else 1
+
+    def allowed(self) -> torch.Tensor:
+        """(B, W) bool: the entries a query of this step reads (at least entry 0, so that a row that
+        holds nothing yet gets a finite, unused output rather than NaN)."""
+        lengths = self.lengths if self.writing is None else self.lengths + self.writing.long()
+        order = torch.arange(self.width(), device=lengths.device)
+        return order[None, :] < lengths.clamp(min=1)[:, None]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """Store (B, G, n, K) keys/values of layer `layer_idx`; return (B, G, W, K) of every entry."""
+        if self.writing is None:
+            self.keys[layer_idx], self.values[layer_idx] = key, value
+            return key, value
+        rows = torch.nonzero(self.writing).flatten()
+        positions = self.lengths[rows]
+        needed = int(positions.max()) + 1 if rows.numel() else 0
+        for store in (self.keys, self.values):
+            stored = store.get(layer_idx)
+            if stored is None:
+                stored = key.new_zeros(key.shape[0], key.shape[1], 0, key.shape[3])
+            if stored.shape[2] < needed:
+                # Grow geometrically: a step writes one entry, so amortised growth stays linear.
+                extra = max(needed - stored.shape[2], stored.shape[2], 4)
+                stored = torch.cat([stored, stored.new_zeros(*stored.shape[:2], extra, stored.shape[3])], 2)
+            else:
+                stored = stored.clone()
+            new = key if store is self.keys else value
+            stored[rows, :, positions] = new[rows, :, 0]
+            store[layer_idx] = stored
+        width = self.width()
+        return self.keys[layer_idx][:, :, :width], self.values[layer_idx][:, :, :width]
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Empty the rows where `rows` (B,) is True."""
+        self.lengths = self.lengths.masked_fill(rows, 0)
+
+    def apply(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for store in (self.keys, self.values):
+            for layer_idx, tensor in store.items():
+                store[layer_idx] = function(tensor)
+        if self.lengths is not None:
+            self.lengths = function(self.lengths)
+
+    def num_bytes(self) -> int:
+        tensors = [*self.keys.values(), *self.values.values()]
+        if self.lengths is not None:
+            tensors.append(self.lengths)
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+class SegmentCache(ForwardOnlyCache):
+    """Everything an LSLM needs to write the next byte (see the module docstring).
+
+    Args:
+        token_encoder_layers: layers of the token encoder (their K/V live in `self.layers`).
+    """
+
+    rollback_reason = "closed segments are pooled and encoded, not kept per byte"
+
+    def __init__(self, token_encoder_layers: int) -> None:
+        super().__init__(layers=[DynamicLayer() for _ in range(max(token_encoder_layers, 1))])
+        self.token_encoder_layers = token_encoder_layers
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.items = 0
+        self.token_valid: torch.Tensor | None = None  # (B, T) bool
+        self.byte_counts: torch.Tensor | None = None  # (B,) next token-encoder position
+        self.open_states: torch.Tensor | None = None  # (B, W, Dt)
+        self.open_counts: torch.Tensor | None = None  # (B,)
+        self.segment_store = RaggedStore()
+        self.cross_store = RaggedStore()
+        self.decoder_store = RaggedStore()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Input columns seen so far (bytes, markers and pads)."""
+        return self.items
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def push_open_states(self, token_states: torch.Tensor, rows: torch.Tensor) -> None:
+        """Append (B, Dt) states to the open segment of the rows where `rows` (B,) is True."""
+        width = int((self.open_counts + rows.long()).max())
+        if self.open_states.shape[1] < width:
+            pad = self.open_states.new_zeros(
+                self.open_states.shape[0], width - self.open_states.shape[1], self.open_states.shape[2]
+            )
+            self.open_states = torch.cat([self.open_states, pad], dim=1)
+        else:
+            self.open_states = self.open_states.clone()
+        index = torch.nonzero(rows).flatten()
+        self.open_states[index, self.open_counts[index]] = token_states[index]
+        self.open_counts = self.open_counts + rows.long()
+
+    def _per_row(self) -> list[str]:
+        return ["token_valid", "byte_counts", "open_states", "open_counts"]
+
+    def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in self._per_row():
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, function(tensor))
+        for store in (self.segment_store, self.cross_store, self.decoder_store):
+            store.apply(function)
+
+    def num_bytes(self) -> int:
+        """Bytes held by every tensor of the cache (K/V of all stores and the per-row state)."""
+        total = self.layer_bytes()
+        for name in self._per_row():
+            tensor = getattr(self, name)
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+        return total + sum(
+            store.num_bytes() for store in (self.segment_store, self.cross_store, self.decoder_store)
+        )
