@@ -84,8 +84,8 @@ class RaggedStore:
                 # Grow geometrically: a step writes one entry, so amortised growth stays linear.
                 extra = max(needed - stored.shape[2], stored.shape[2], 4)
                 stored = torch.cat([stored, stored.new_zeros(*stored.shape[:2], extra, stored.shape[3])], 2)
-            else:
-                stored = stored.clone()
+            elif torch.is_grad_enabled():
+                stored = stored.clone()  # writing in place would break a graph that still needs it
             new = key if store is self.keys else value
             stored[rows, :, positions] = new[rows, :, 0]
             store[layer_idx] = stored
@@ -150,8 +150,8 @@ class SegmentCache(ForwardOnlyCache):
                 self.open_states.shape[0], width - self.open_states.shape[1], self.open_states.shape[2]
             )
             self.open_states = torch.cat([self.open_states, pad], dim=1)
-        else:
-            self.open_states = self.open_states.clone()
+        elif torch.is_grad_enabled():
+            self.open_states = self.open_states.clone()  # a graph may still need the old values
         index = torch.nonzero(rows).flatten()
         self.open_states[index, self.open_counts[index]] = token_states[index]
         self.open_counts = self.open_counts + rows.long()
