@@ -19,6 +19,8 @@ COMMANDS = {
     "expand": "hf_concept.commands.expand",
     "fit-scaling": "hf_concept.commands.fit_scaling",
     "plan": "hf_concept.commands.plan",
+    "generate": "hf_concept.commands.generate",
+    "segment": "hf_concept.commands.segment",
 }
 
 

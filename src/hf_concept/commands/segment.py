@@ -1,0 +1,96 @@
+"""`hf-concept segment CHECKPOINT "text"`: which tokens open a concept, as the model's forward decides.
+
+ConceptMoE, DLCM and LSLM checkpoints (`segmentation.SEGMENTED_MODEL_TYPES`): the text with each concept
+(segment) marked — alternating ANSI background colours when stdout is a terminal, `|` before each opening
+otherwise or with `--no-color` — then the tokens-per-concept statistics and histogram. `--html PATH`
+writes a self-contained HTML view, `--png PATH` a picture (needs Pillow or matplotlib; checked before the
+model loads). Hidden Decoding has no boundaries: its stream probe table (`hf_concept.probes.probe_streams`)
+is printed instead. The plain family (or any other model_type) has neither, which is an error (exit 2)
+before the model loads, as are a missing folder or tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hf_concept.commands.generate import add_loading_flags, load_checkpoint, read_model_type
+
+HIDDEN_DECODING_MODEL_TYPE = "hidden_decoding"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "segment",
+        help="Show where the model opens concepts in a text (HD: the stream probe table).",
+        description="Run one forward of CHECKPOINT on TEXT and print the text with concept openings marked "
+        "and tokens-per-concept statistics; for Hidden Decoding, the stream probe table.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="Checkpoint folder (config, weights, tokenizer).")
+    parser.add_argument("text", help="Text to segment.")
+    parser.add_argument("--html", type=Path, default=None, metavar="PATH", help="Also write an HTML view.")
+    parser.add_argument(
+        "--png", type=Path, default=None, metavar="PATH", help="Also write a PNG view (Pillow or matplotlib)."
+    )
+    parser.add_argument("--no-color", action="store_true", help="Mark openings with `|` even in a terminal.")
+    add_loading_flags(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _segment(args)
+    except (ValueError, OSError, ImportError) as error:
+        print(f"hf-concept segment: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _check_outputs(args: argparse.Namespace, model_type: str) -> None:
+    """Refuse what cannot be shown or written before the model loads."""
+    from hf_concept.segmentation import SEGMENTED_MODEL_TYPES, png_backend
+
+    if model_type not in (*SEGMENTED_MODEL_TYPES, HIDDEN_DECODING_MODEL_TYPE):
+        raise ValueError(
+            f"{str(args.checkpoint)!r} has model_type={model_type!r}, which has no segmentation: segment "
+            f"reads the boundaries of {', '.join(SEGMENTED_MODEL_TYPES)} checkpoints and prints the stream "
+            "probe table of hidden_decoding ones"
+        )
+    views = [f"--{name} {getattr(args, name)}" for name in ("html", "png") if getattr(args, name)]
+    if model_type == HIDDEN_DECODING_MODEL_TYPE and views:
+        raise ValueError(
+            f"{', '.join(views)}: a Hidden Decoding checkpoint has no segmentation to draw; segment prints "
+            "its stream probe table"
+        )
+    for path in (args.html, args.png):
+        if path is not None and not path.parent.is_dir():
+            raise FileNotFoundError(f"{str(path)!r}: the folder {str(path.parent)!r} does not exist")
+    if args.png is not None and png_backend() is None:
+        raise ImportError(
+            f"--png {args.png}: drawing a PNG needs the optional dependency Pillow (pip install pillow) or "
+            "matplotlib, and neither is installed; --html needs nothing"
+        )
+
+
+def _segment(args: argparse.Namespace) -> int:
+    from hf_concept.segmentation import segment_text, write_html, write_png
+
+    if not args.text:
+        raise ValueError("text='': give some text to segment")
+    model_type = read_model_type(args.checkpoint)
+    _check_outputs(args, model_type)
+    model, tokenizer = load_checkpoint(args.checkpoint, args.tokenizer, args.device, args.dtype)
+    if model_type == HIDDEN_DECODING_MODEL_TYPE:
+        from hf_concept.probes import probe_streams
+
+        print(probe_streams(model, text=args.text, tokenizer=tokenizer).to_table())
+        return 0
+    view = segment_text(model, tokenizer, args.text)
+    print(view.to_text(color=sys.stdout.isatty() and not args.no_color))
+    print(view.stats_text())
+    if args.html is not None:
+        write_html(view, args.html)
+        print(f"wrote {args.html}")
+    if args.png is not None:
+        write_png(view, args.png)
+        print(f"wrote {args.png}")
+    return 0
