@@ -19,8 +19,10 @@ COMMANDS = {
     "expand": "hf_concept.commands.expand",
     "fit-scaling": "hf_concept.commands.fit_scaling",
     "plan": "hf_concept.commands.plan",
+    "train": "hf_concept.commands.train",
     "generate": "hf_concept.commands.generate",
     "segment": "hf_concept.commands.segment",
+    "push": "hf_concept.commands.push",
 }
 
 

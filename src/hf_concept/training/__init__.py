@@ -1,6 +1,16 @@
 """Training helpers: Trainer integration, optimizer factories, schedules."""
 
 from hf_concept.training.mup import MUP_GROUPS, mup_optimizer, mup_param_groups
+from hf_concept.training.recipes import TrainResult, TrainSetupError, train
 from hf_concept.training.trainer import METRIC_FIELDS, ConceptTrainer
 
-__all__ = ["METRIC_FIELDS", "MUP_GROUPS", "ConceptTrainer", "mup_optimizer", "mup_param_groups"]
+__all__ = [
+    "METRIC_FIELDS",
+    "MUP_GROUPS",
+    "ConceptTrainer",
+    "TrainResult",
+    "TrainSetupError",
+    "mup_optimizer",
+    "mup_param_groups",
+    "train",
+]

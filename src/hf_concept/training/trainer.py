@@ -2,9 +2,21 @@
 gives models with a global ratio loss the statistics of the whole optimizer step.
 
 Models return these as detached fields of their `ModelOutput`. A callback cannot add them to the logs
-(`Trainer.log` appends to `log_history` before callbacks run, HF_NOTES §4), so this subclass averages
-them over the optimizer steps since the last log and merges them into `logs` before `Trainer.log`,
-which makes them reach `state.log_history` and every reporting integration.
+(`Trainer.log` appends to `log_history` before callbacks run, HF_NOTES §4), so this subclass accumulates
+them and merges them into `logs` before `Trainer.log`, which makes them reach `state.log_history` and every
+reporting integration. Each logged value is the global figure of the optimizer steps since the last log:
+- `SHARE_FIELDS` (lm_loss, aux_loss) are shares when Trainer passes `num_items_in_batch`: each
+  micro-batch returns its part of the step's token-weighted value (LM loss summed over its label tokens
+  and divided by the step's count over all micro-batches and ranks; the ratio loss likewise). They are
+  summed over the step's micro-batches and ranks, then averaged over steps, so `lm_loss` matches `loss`
+  whatever the accumulation steps and the number of processes.
+- every other field (realised compression, mean boundary probability, ...), and a share field of a model
+  that does not take `num_items_in_batch` (LSLM's per-batch means), is averaged over the micro-batches
+  of every rank.
+With several processes one all-reduce of a fixed-size table runs at each log, on every rank, so every
+rank logs the same values. Evaluation gets the per-batch fields with the evaluation prefix
+(`eval_compression_ratio`, `eval_lm_loss`, ...), averaged over the evaluation batches of all ranks; the
+ratio loss is left out there, since a global-scope aux value is a share of the ranks' joint batch.
 
 Global ratio loss under gradient accumulation: a model with a `ratio_accumulator` attribute and
 `config.ratio_scope == "global"` gets a `RatioAccumulator` reset at the start of every optimizer step,
@@ -19,11 +31,15 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import EvalLoopOutput
 
 from hf_concept.modeling.routing import RatioAccumulator
 
-# Output fields averaged into the training logs when a model returns them.
+# Output fields merged into the training logs when a model returns them.
 METRIC_FIELDS = ("lm_loss", "aux_loss", "kl_loss", "compression_ratio", "boundary_prob_mean", "boundary_rate")
+# Fields that are micro-batch shares of the step's value when Trainer passes num_items_in_batch.
+SHARE_FIELDS = ("lm_loss", "aux_loss")
+EVAL_FIELDS = tuple(name for name in METRIC_FIELDS if name != "aux_loss")
 
 
 class ConceptTrainer(Trainer):
@@ -33,8 +49,12 @@ class ConceptTrainer(Trainer):
         super().__init__(*args, **kwargs)
         # The running statistics of the current optimizer step (global ratio loss), if the model has one.
         self.ratio_accumulator: RatioAccumulator | None = None
+        # Per field: the running sum, and its weight (micro-batches; optimizer steps for a summed share).
         self._metric_sums: dict[str, float] = {}
-        self._metric_counts: dict[str, int] = {}
+        self._metric_counts: dict[str, float] = {}
+        self._share_fields: set[str] = set()
+        self._eval_sums: dict[str, float] = {}
+        self._eval_counts: dict[str, float] = {}
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -80,23 +100,81 @@ class ConceptTrainer(Trainer):
             model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
         if model.training:
-            self._accumulate(outputs)
+            shares = num_items_in_batch is not None and self.model_accepts_loss_kwargs
+            # A share counts as 1/k of a step, so that a step's k micro-batches add up to one step.
+            share_weight = 1.0 / max(getattr(self, "current_gradient_accumulation_steps", 1), 1)
+            for name, value in self._metric_values(outputs, METRIC_FIELDS).items():
+                weight = 1.0
+                if shares and name in SHARE_FIELDS:
+                    weight = share_weight
+                    self._share_fields.add(name)
+                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
+                self._metric_counts[name] = self._metric_counts.get(name, 0.0) + weight
+        else:
+            for name, value in self._metric_values(outputs, EVAL_FIELDS).items():
+                self._eval_sums[name] = self._eval_sums.get(name, 0.0) + value
+                self._eval_counts[name] = self._eval_counts.get(name, 0.0) + 1.0
         return (loss, outputs) if return_outputs else loss
 
-    def _accumulate(self, outputs: Any) -> None:
-        for name in METRIC_FIELDS:
+    @staticmethod
+    def _metric_values(outputs: Any, names: tuple[str, ...]) -> dict[str, float]:
+        values = {}
+        for name in names:
             value = outputs.get(name) if hasattr(outputs, "get") else None
-            if value is None:
-                continue
-            value = value.detach().float().mean() if isinstance(value, torch.Tensor) else float(value)
-            self._metric_sums[name] = self._metric_sums.get(name, 0.0) + float(value)
-            self._metric_counts[name] = self._metric_counts.get(name, 0) + 1
+            if value is not None:
+                values[name] = float(
+                    value.detach().float().mean() if isinstance(value, torch.Tensor) else value
+                )
+        return values
+
+    def _global_means(
+        self, sums: dict[str, float], counts: dict[str, float], names: tuple[str, ...], shares: set[str]
+    ) -> dict[str, float]:
+        """Each field's total over every process divided by its total weight; the running sums are cleared.
+
+        Every rank must call this at the same point: with several processes it is one all-reduce of a
+        fixed-size table (every field of `names`, present or not), so ranks that saw different fields
+        still take part in the same collective. A share's weight counts optimizer steps per rank, so its
+        all-reduced weight is steps × processes while its sum already adds up the processes' parts: the
+        number of processes is multiplied back in.
+        """
+        # MPS has no float64; elsewhere float64 keeps the sums exact enough for the 6 logged digits.
+        dtype = torch.float32 if self.args.device.type == "mps" else torch.float64
+        rows = [[sums.get(name, 0.0), counts.get(name, 0.0)] for name in names]
+        table = torch.tensor(rows, dtype=dtype, device=self.args.device)
+        processes = self.accelerator.num_processes
+        if processes > 1:
+            table = self.accelerator.reduce(table, reduction="sum")
+        sums.clear()
+        counts.clear()
+        means = {}
+        for name, (total, weight) in zip(names, table.tolist(), strict=True):
+            if weight > 0:
+                means[name] = round(total / weight * (processes if name in shares else 1), 6)
+        return means
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Only training logs (they carry "loss") get the running averages; eval logs pass through.
-        if "loss" in logs and self._metric_counts:
-            for name, total in self._metric_sums.items():
-                logs[name] = round(total / self._metric_counts[name], 6)
-            self._metric_sums.clear()
-            self._metric_counts.clear()
+        # Only training logs (they carry "loss", on every rank at the same step) get the running means.
+        if "loss" in logs:
+            means = self._global_means(
+                self._metric_sums, self._metric_counts, METRIC_FIELDS, self._share_fields
+            )
+            logs.update(means)
         super().log(logs, start_time)
+
+    def evaluation_loop(
+        self,
+        dataloader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        self._eval_sums.clear()
+        self._eval_counts.clear()
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
+        means = self._global_means(self._eval_sums, self._eval_counts, EVAL_FIELDS, set())
+        output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in means.items()})
+        return output

@@ -1,0 +1,840 @@
+"""`train(...)`: the Python API behind `hf-concept train` — load or build a model, read and tokenize local
+data, train it with `ConceptTrainer`, and save the final model, its tokenizer and a model card.
+
+Choices (the README's "Training" section states them for users):
+- Model: a checkpoint folder (config.json + safetensors weights) is fine-tuned; a config file, or a folder
+  with config.json and no weights, is built from scratch with `seed`. Our families load through our own
+  classes, whose `save_pretrained` writes the remote-code files; other model types through transformers'
+  Auto classes, for types transformers itself defines (no remote code from anywhere else runs here).
+- Tokenizer: `tokenizer=` if given; else the checkpoint's own; else LSLM's byte tokenizer for model_type
+  "lslm" (its vocabulary is fixed); else the bundled BPE tokenizer (`hf_concept.data.bpe`).
+- Data: `.txt`/`.md` files hold one document per blank-line-separated paragraph (the rule the bundled
+  corpus joins its documents with; `txt_documents="file"` makes each file one document); `.json` (a list
+  of records, or JSON lines) and `.jsonl` records give their `text_field`; a folder written by `datasets`'
+  `save_to_disk` gives its column `text_field` (the "train" split of a DatasetDict). Each document is
+  tokenized with the tokenizer's own special tokens, gets eos appended if the tokenizer did not add it,
+  and is cut into pieces of at most `block_size` tokens; each piece is one training sequence.
+- Packing (default): `DataCollatorWithFlattening` joins a batch's sequences into one row whose
+  `position_ids` restart at every sequence, so nothing is padded and no sequence reads another (every
+  family takes document boundaries from those resets). `packing=False` pads each batch instead.
+- LoRA (`lora_settings`): adapters on every attention projection — self-attention q/k/v/o in all
+  families, DLCM's and LSLM's cross-attention, ConceptMoE's joint-decoding projections — while the
+  boundary router (ConceptMoE and DLCM `chunker`, LSLM `router`) is trained in full through
+  `modules_to_save`: it is small (two D×D maps or one FFN), and a frozen router could not follow the
+  ratio loss or LSLM's inference-network steps. The final model is saved merged (a plain checkpoint
+  that loads without peft); the adapter alone is in the Trainer checkpoints under `checkpoints/`.
+- DLCM μP: the param groups of `hf_concept.training.mup` whenever the config sets `mup_base_width` (or
+  `mup=True`); `learning_rate`, if given, is the base rate η of all three groups, else the config's
+  `mup_*_learning_rate` fields are.
+- LSLM: `InterleavedUpdates` with the config's `update_schedule`. Its loss is a per-batch mean that
+  ignores `num_items_in_batch`, so Trainer is told to divide it by the accumulation steps itself.
+- Output: Trainer checkpoints go to `output_dir/checkpoints`; the final model is written into a staging
+  folder inside `output_dir` and moved into place with config.json last, so an interrupted save never
+  leaves a folder that looks like a complete checkpoint. A folder that already holds a model is refused
+  unless `overwrite_output_dir`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    DataCollatorWithFlattening,
+    PretrainedConfig,
+    PreTrainedModel,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
+
+from hf_concept.training.trainer import ConceptTrainer
+
+logger = logging.getLogger("hf_concept.train")
+
+# model_type -> (module under hf_concept.modeling, config class, causal-LM class).
+FAMILIES = {
+    "hf_concept_plain": ("plain", "PlainDecoderConfig", "PlainDecoderForCausalLM"),
+    "conceptmoe": ("conceptmoe", "ConceptMoEConfig", "ConceptMoEForCausalLM"),
+    "dlcm": ("dlcm", "DLCMConfig", "DLCMForCausalLM"),
+    "hidden_decoding": ("hidden_decoding", "HiddenDecodingConfig", "HiddenDecodingForCausalLM"),
+    "lslm": ("lslm", "LSLMConfig", "LSLMForCausalLM"),
+}
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_SUFFIXES = (".json", ".jsonl")
+TXT_DOCUMENTS = ("paragraph", "file")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# Attention projections of every family: self-attention, DLCM/LSLM cross-attention, ConceptMoE joint
+# decoding (`concept_*_proj`). Matched against full module names (PEFT uses re.fullmatch for a string).
+LORA_ATTENTION = (
+    r".*\.(self_attn|cross_attn)\.(q_proj|k_proj|v_proj|o_proj|concept_q_proj|concept_k_proj|concept_v_proj)"
+)
+# Boundary routers, trained in full under LoRA (see the module docstring).
+LORA_ROUTERS = {"conceptmoe": "chunker", "dlcm": "chunker", "lslm": "router"}
+DEFAULT_LEARNING_RATE = 3e-4
+DEFAULT_BLOCK_SIZE = 512
+STAGING_NAME = ".final-staging"
+
+
+class TrainSetupError(ValueError):
+    """A user input problem found before training starts (the CLI prints it as one line, exit status 2)."""
+
+
+@dataclass
+class TrainResult:
+    """What `train` returns: the trained (merged) model in memory, its tokenizer and the figures."""
+
+    output_dir: Path
+    model: PreTrainedModel
+    tokenizer: Any
+    log_history: list[dict[str, Any]]
+    global_step: int
+    train_loss: float | None
+    eval_loss: float | None
+    compression: float | None
+    is_main_process: bool = True
+    card_path: Path | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def summary_table(self) -> str:
+        """The end-of-run table: final training loss, eval loss, realised compression, steps, output."""
+
+        def figure(value: float | None) -> str:
+            return "n/a" if value is None else f"{value:.4f}"
+
+        rows = [
+            ("final train loss", figure(self.train_loss)),
+            ("eval loss", figure(self.eval_loss)),
+            ("compression (tokens per concept)", figure(self.compression)),
+            ("optimizer steps", str(self.global_step)),
+            ("saved to", str(self.output_dir)),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'metric'.ljust(width)} | value", f"{'-' * width}-|-{'-' * 12}"]
+        lines += [f"{name.ljust(width)} | {value}" for name, value in rows]
+        return "\n".join(lines)
+
+
+def _is_main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _info(message: str) -> None:
+    if _is_main_rank():
+        logger.info(message)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def _family_classes(model_type: str) -> tuple[type, type]:
+    folder, config_name, model_name = FAMILIES[model_type]
+    config_module = importlib.import_module(f"hf_concept.modeling.configuration_{folder}")
+    model_module = importlib.import_module(f"hf_concept.modeling.modeling_{folder}")
+    return getattr(config_module, config_name), getattr(model_module, model_name)
+
+
+def _read_config_dict(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise TrainSetupError(f"model={str(path)!r} is neither a config file nor a folder with config.json")
+    try:
+        values = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise TrainSetupError(f"{config_file} is not valid JSON: {error}") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise TrainSetupError(f"{config_file} has no model_type")
+    return values
+
+
+def _check_model_type(model_type: str, source: Path) -> None:
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in FAMILIES and model_type not in CONFIG_MAPPING:
+        raise TrainSetupError(
+            f"model_type={model_type!r} in {source} is unknown: use one of {sorted(FAMILIES)} or a "
+            "transformers model type such as 'llama'"
+        )
+
+
+def load_model(source: str | Path | PretrainedConfig | PreTrainedModel, seed: int = 0) -> PreTrainedModel:
+    """A model from a checkpoint folder (weights loaded), a config file/folder or a config object (built
+    from scratch with `seed`), or a model object (returned as is)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(source, PreTrainedModel):
+        return source
+    if isinstance(source, PretrainedConfig):
+        set_seed(seed)
+        if source.model_type in FAMILIES:
+            return _family_classes(source.model_type)[1](source)
+        return AutoModelForCausalLM.from_config(source)
+    path = Path(source)
+    values = _read_config_dict(path)
+    model_type = values["model_type"]
+    _check_model_type(model_type, path)
+    has_weights = path.is_dir() and any((path / name).is_file() for name in WEIGHT_FILES)
+    if path.is_dir() and not has_weights and any(path.glob("*.bin")):
+        raise TrainSetupError(f"{path} holds only .bin (pickle) weights; convert them to safetensors first")
+    try:
+        if model_type in FAMILIES:
+            config_class, model_class = _family_classes(model_type)
+            if has_weights:
+                return model_class.from_pretrained(path)
+            set_seed(seed)
+            return model_class(config_class.from_dict(values))
+        if has_weights:
+            return AutoModelForCausalLM.from_pretrained(path)
+        set_seed(seed)
+        values = {key: value for key, value in values.items() if key != "model_type"}
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **values))
+    except ValueError as error:
+        raise TrainSetupError(f"{path}: {error}") from None
+
+
+def load_tokenizer(model: PreTrainedModel, source: Any, tokenizer: Any = None) -> Any:
+    """The tokenizer to train with (rule: module docstring); a path is loaded with `AutoTokenizer`."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    if tokenizer is not None:
+        if not Path(tokenizer).is_dir():
+            raise TrainSetupError(f"tokenizer={str(tokenizer)!r} is not a folder holding a saved tokenizer")
+        return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=True)
+    if model.config.model_type == "lslm":
+        from hf_concept.modeling.tokenization_lslm import ByteTokenizer
+
+        return ByteTokenizer()
+    if isinstance(source, (str, Path)) and Path(source).is_dir():
+        folder = Path(source)
+        if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    try:
+        from hf_concept.data.bpe import bundled_tokenizer
+    except ImportError as error:
+        raise TrainSetupError(f"no tokenizer: pass --tokenizer PATH ({error})") from None
+    _info("no tokenizer given or found next to the model: using the bundled BPE tokenizer")
+    return bundled_tokenizer()
+
+
+def _check_vocabulary(model: PreTrainedModel, tokenizer: Any) -> None:
+    vocab_size = model.config.vocab_size
+    if len(tokenizer) > vocab_size:
+        raise TrainSetupError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
+            "use a matching --tokenizer or a config with a larger vocab_size"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def _paragraphs(text: str) -> list[str]:
+    blocks, current = [], []
+    for line in text.splitlines():
+        if line.strip():
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    if current:
+        blocks.append("\n".join(current))
+    return blocks
+
+
+def _json_records(path: Path) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError:
+            values = None  # JSON lines saved as .json (what `datasets`' to_json writes)
+        if isinstance(values, list):
+            return values
+        if isinstance(values, dict):
+            return [values]
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise TrainSetupError(f"{path} line {number} is not valid JSON: {error}") from None
+    return records
+
+
+def _record_texts(records: list[Any], text_field: str, path: Path) -> list[str]:
+    """The `text_field` of every record; a columnar record ({"text": [...]}) gives its whole list."""
+    texts = []
+    for index, record in enumerate(records):
+        if not isinstance(record, dict) or text_field not in record:
+            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise TrainSetupError(
+                f"text field {text_field!r} is missing from record {index} of {path} (fields: {fields}); "
+                "choose another with --text-field"
+            )
+        value = record[text_field]
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in values):
+            raise TrainSetupError(f"text field {text_field!r} of record {index} of {path} is not text")
+        texts.extend(values)
+    return texts
+
+
+def _dataset_texts(path: Path, text_field: str) -> list[str]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise TrainSetupError(
+            f"data folder {str(path)!r} is not a dataset saved with datasets' save_to_disk"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise TrainSetupError(f"dataset {path} has splits {sorted(loaded)} but no 'train' split")
+        loaded = loaded["train"]
+    if text_field not in loaded.column_names:
+        raise TrainSetupError(
+            f"text field {text_field!r} is not a column of dataset {path} (columns: {loaded.column_names}); "
+            "choose another with --text-field"
+        )
+    return [text for text in loaded[text_field] if isinstance(text, str)]
+
+
+def read_documents(
+    paths: str | Path | Sequence[str | Path], text_field: str = "text", txt_documents: str = "paragraph"
+) -> list[str]:
+    """The non-empty documents of every data file or dataset folder in `paths` (rules: module docstring)."""
+    if txt_documents not in TXT_DOCUMENTS:
+        raise TrainSetupError(f"txt_documents={txt_documents!r} must be one of {TXT_DOCUMENTS}")
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if not paths:
+        raise TrainSetupError("no data files given")
+    documents: list[str] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise TrainSetupError(f"data file {str(path)!r} does not exist")
+        if path.is_dir():
+            documents += _dataset_texts(path, text_field)
+        elif path.suffix in TEXT_SUFFIXES:
+            text = path.read_text(encoding="utf-8")
+            documents += _paragraphs(text) if txt_documents == "paragraph" else [text]
+        elif path.suffix in JSON_SUFFIXES:
+            documents += _record_texts(_json_records(path), text_field, path)
+        else:
+            raise TrainSetupError(
+                f"data file {str(path)!r} has an unsupported suffix {path.suffix!r}: use "
+                f"{', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)} or a datasets folder (save_to_disk)"
+            )
+    documents = [document for document in documents if document.strip()]
+    if not documents:
+        raise TrainSetupError(f"the data files {[str(path) for path in paths]} hold no text")
+    return documents
+
+
+def split_documents(documents: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """(train, eval): a seeded random `fraction` of the documents (at least one) held out for evaluation."""
+    if not (isinstance(fraction, float | int) and 0 < fraction < 1):
+        raise TrainSetupError(f"eval_split_fraction={fraction!r} must be in (0, 1)")
+    if len(documents) < 2:
+        raise TrainSetupError(
+            f"eval_split_fraction needs at least 2 documents, the data has {len(documents)}"
+        )
+    order = list(range(len(documents)))
+    random.Random(seed).shuffle(order)
+    held = min(len(documents) - 1, max(1, round(fraction * len(documents))))
+    held_out = set(order[:held])
+    train = [document for index, document in enumerate(documents) if index not in held_out]
+    return train, [documents[index] for index in sorted(held_out)]
+
+
+def tokenize_documents(documents: list[str], tokenizer: Any, block_size: int) -> list[dict[str, list[int]]]:
+    """One {"input_ids": ...} sequence per piece of at most `block_size` tokens of each document."""
+    if not (isinstance(block_size, int) and block_size >= 2):
+        raise TrainSetupError(f"block_size={block_size!r} must be an integer >= 2")
+    eos = tokenizer.eos_token_id
+    sequences = []
+    for start in range(0, len(documents), 256):
+        for ids in tokenizer(documents[start : start + 256])["input_ids"]:
+            if eos is not None and (not ids or ids[-1] != eos):
+                ids = [*ids, eos]
+            for offset in range(0, len(ids), block_size):
+                piece = ids[offset : offset + block_size]
+                # A one-token piece has nothing to predict.
+                if len(piece) >= 2:
+                    sequences.append({"input_ids": piece})
+    return sequences
+
+
+@dataclass
+class PaddingCollator:
+    """Pads a batch of {"input_ids"} sequences (the `packing=False` path): pads are masked and unlabeled."""
+
+    pad_token_id: int
+    padding_side: str = "right"
+
+    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        longest = max(len(feature["input_ids"]) for feature in features)
+        rows, masks, labels = [], [], []
+        for feature in features:
+            ids = list(feature["input_ids"])
+            fill = longest - len(ids)
+            pad, real = [self.pad_token_id] * fill, [1] * len(ids)
+            left = self.padding_side == "left"
+            rows.append(pad + ids if left else ids + pad)
+            masks.append([0] * fill + real if left else real + [0] * fill)
+            labels.append([-100] * fill + ids if left else ids + [-100] * fill)
+        return {
+            "input_ids": torch.tensor(rows, dtype=torch.long),
+            "attention_mask": torch.tensor(masks, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+        }
+
+
+def data_collator(tokenizer: Any, packing: bool) -> Any:
+    if packing:
+        return DataCollatorWithFlattening()
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return PaddingCollator(pad_token_id=pad, padding_side=getattr(tokenizer, "padding_side", "right"))
+
+
+# ------------------------------------------------------------------------------- LoRA, μP, callbacks
+
+
+def lora_settings(model: PreTrainedModel) -> dict[str, Any]:
+    """`LoraConfig` keyword arguments for `model`'s family: target modules and fully trained modules."""
+    model_type = model.config.model_type
+    if model_type not in FAMILIES:
+        # transformers' own types: PEFT's table of default targets knows them.
+        return {}
+    settings: dict[str, Any] = {"target_modules": LORA_ATTENTION}
+    router = LORA_ROUTERS.get(model_type)
+    if router is not None and any(name.endswith(f".{router}") for name, _ in model.named_modules()):
+        settings["modules_to_save"] = [router]
+    return settings
+
+
+def apply_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0) -> Any:
+    """`model` wrapped by PEFT with `lora_settings(model)`."""
+    from peft import LoraConfig, get_peft_model
+
+    if not (isinstance(r, int) and r >= 1):
+        raise TrainSetupError(f"lora_r={r!r} must be a positive integer")
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM", **lora_settings(model)
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:
+        raise TrainSetupError(f"LoRA for model_type={model.config.model_type!r}: {error}") from None
+
+
+class RecipeTrainer(ConceptTrainer):
+    """`ConceptTrainer` that builds DLCM's μP optimizer when asked (after wrapping, as Trainer's own is)."""
+
+    def __init__(self, *args: Any, mup_learning_rate: float | None = None, mup: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.mup = mup
+        self.mup_learning_rate = mup_learning_rate
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        if not self.mup or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from hf_concept.training.mup import mup_optimizer
+
+        rate = self.mup_learning_rate
+        self.optimizer = mup_optimizer(
+            self.model if model is None else model,
+            token_lr=rate,
+            concept_lr=rate,
+            other_lr=rate,
+            weight_decay=self.args.weight_decay,
+            eps=self.args.adam_epsilon,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+        )
+        return self.optimizer
+
+
+def _use_mup(model: PreTrainedModel, mup: bool | None) -> bool:
+    has_fields = hasattr(model.config, "mup_token_scale")
+    if mup and not has_fields:
+        raise TrainSetupError(
+            f"mup: μP param groups are defined for DLCM only, not model_type={model.config.model_type!r}"
+        )
+    if mup is None:
+        return has_fields and getattr(model.config, "mup_base_width", None) is not None
+    return bool(mup)
+
+
+def resolve_callbacks(specs: Sequence[str | TrainerCallback | type]) -> list[Any]:
+    """Callbacks from objects, classes, or "module:Class" strings (each class built with no arguments)."""
+    callbacks = []
+    for spec in specs:
+        if isinstance(spec, str):
+            module_name, _, class_name = spec.partition(":")
+            try:
+                spec = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError, ValueError) as error:
+                raise TrainSetupError(
+                    f"callback {spec!r} cannot be imported as MODULE:CLASS ({error})"
+                ) from None
+        callbacks.append(spec() if isinstance(spec, type) else spec)
+    return callbacks
+
+
+# --------------------------------------------------------------------------------------------- train
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
+    """`output_dir` as a Path; refused when it is a file, or already holds a model without `overwrite`."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise TrainSetupError(f"output_dir={str(out)!r} exists and is not a folder")
+    if (out / "config.json").exists() and not overwrite:
+        raise TrainSetupError(
+            f"output_dir={str(out)!r} already holds a model (config.json); pass --overwrite-output-dir"
+        )
+    return out
+
+
+def prepare_datasets(
+    data: str | Path | Sequence[str | Path],
+    tokenizer: Any,
+    *,
+    eval_data: str | Path | Sequence[str | Path] | None = None,
+    eval_split_fraction: float | None = None,
+    text_field: str = "text",
+    txt_documents: str = "paragraph",
+    block_size: int = 512,
+    seed: int = 0,
+) -> tuple[list[dict[str, list[int]]], list[dict[str, list[int]]] | None]:
+    """(train sequences, eval sequences or None) from the data files (rules: module docstring)."""
+    if eval_data and eval_split_fraction:
+        raise TrainSetupError("give eval_data or eval_split_fraction, not both")
+    documents = read_documents(data, text_field, txt_documents)
+    eval_documents = None
+    if eval_data:
+        eval_documents = read_documents(eval_data, text_field, txt_documents)
+    elif eval_split_fraction:
+        documents, eval_documents = split_documents(documents, eval_split_fraction, seed)
+    train_set = tokenize_documents(documents, tokenizer, block_size)
+    if not train_set:
+        raise TrainSetupError(f"the data gives no training sequence of 2 or more tokens (data={data!r})")
+    eval_set = tokenize_documents(eval_documents, tokenizer, block_size) if eval_documents else None
+    tokens = sum(len(sequence["input_ids"]) for sequence in train_set)
+    _info(f"{len(documents)} documents -> {len(train_set)} training sequences, {tokens} tokens")
+    return train_set, eval_set
+
+
+def resolve_block_size(model: PreTrainedModel, block_size: int | None) -> int:
+    """`block_size`, checked against the model's max_position_embeddings; None: the smaller of 512 and it."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = limit if isinstance(limit, int) and limit >= 2 else None
+    if block_size is None:
+        return min(DEFAULT_BLOCK_SIZE, limit or DEFAULT_BLOCK_SIZE)
+    if limit is not None and block_size > limit:
+        raise TrainSetupError(f"block_size={block_size} exceeds the model's max_position_embeddings={limit}")
+    return block_size
+
+
+def training_arguments(folder: Path, *, has_eval: bool, **options: Any) -> TrainingArguments:
+    """`TrainingArguments` for the run; `options` are `train`'s Trainer keyword arguments."""
+    save_steps, eval_steps = options.pop("save_steps"), options.pop("eval_steps")
+    gradient_checkpointing = options.pop("gradient_checkpointing")
+    learning_rate = options.pop("learning_rate")
+    try:
+        return TrainingArguments(
+            output_dir=str(folder),
+            per_device_eval_batch_size=options["per_device_train_batch_size"],
+            learning_rate=DEFAULT_LEARNING_RATE if learning_rate is None else learning_rate,
+            save_strategy="steps" if save_steps > 0 else "no",
+            save_steps=max(save_steps, 1),
+            eval_strategy="steps" if has_eval and eval_steps else "no",
+            eval_steps=eval_steps,
+            activation_checkpointing=gradient_checkpointing,
+            data_seed=options["seed"],
+            # Evaluation needs the loss only; collecting logits would cost memory for nothing.
+            prediction_loss_only=True,
+            **options,
+        )
+    except ValueError as error:
+        raise TrainSetupError(f"training arguments: {error}") from None
+
+
+def train(
+    model_or_path: str | Path | PretrainedConfig | PreTrainedModel,
+    data: str | Path | Sequence[str | Path],
+    output_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    eval_data: str | Path | Sequence[str | Path] | None = None,
+    eval_split_fraction: float | None = None,
+    text_field: str = "text",
+    txt_documents: str = "paragraph",
+    block_size: int | None = None,
+    packing: bool = True,
+    lora: bool = False,
+    lora_r: int = 8,
+    lora_alpha: float = 16.0,
+    lora_dropout: float = 0.0,
+    mup: bool | None = None,
+    max_steps: int = -1,
+    num_train_epochs: float = 1.0,
+    per_device_train_batch_size: int = 8,
+    gradient_accumulation_steps: int = 1,
+    learning_rate: float | None = None,
+    warmup_steps: int = 0,
+    weight_decay: float = 0.0,
+    logging_steps: int = 10,
+    save_steps: int = 500,
+    eval_steps: int | None = None,
+    seed: int = 0,
+    bf16: bool = False,
+    gradient_checkpointing: bool = False,
+    report_to: str | list[str] = "none",
+    callbacks: Sequence[str | TrainerCallback | type] = (),
+    overwrite_output_dir: bool = False,
+    base_model: str | None = None,
+    use_cpu: bool = False,
+    disable_tqdm: bool | None = None,
+) -> TrainResult:
+    """Train `model_or_path` on `data` and save the result to `output_dir` (choices: module docstring).
+
+    `mup=None` uses DLCM's μP groups exactly when the config sets `mup_base_width`. `learning_rate=None`
+    means 3e-4, or the config's μP base rates. `callbacks` are TrainerCallbacks (objects, classes or
+    "module:Class"). Raises `TrainSetupError` for input problems found before training starts.
+    """
+    out = check_output_dir(output_dir, overwrite_output_dir)
+    model = load_model(model_or_path, seed)
+    tokenizer = load_tokenizer(model, model_or_path, tokenizer)
+    _check_vocabulary(model, tokenizer)
+    block_size = resolve_block_size(model, block_size)
+    train_set, eval_set = prepare_datasets(
+        data,
+        tokenizer,
+        eval_data=eval_data,
+        eval_split_fraction=eval_split_fraction,
+        text_field=text_field,
+        txt_documents=txt_documents,
+        block_size=block_size,
+        seed=seed,
+    )
+    use_mup = _use_mup(model, mup)
+    callback_objects = resolve_callbacks(callbacks)
+    if lora:
+        set_seed(seed)
+        model = apply_lora(model, lora_r, lora_alpha, lora_dropout)
+    args = training_arguments(
+        out / "checkpoints",
+        has_eval=eval_set is not None,
+        use_cpu=use_cpu or _no_accelerator(),
+        max_steps=max_steps,
+        num_train_epochs=num_train_epochs,
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        learning_rate=learning_rate,
+        warmup_steps=warmup_steps,
+        weight_decay=weight_decay,
+        logging_steps=logging_steps,
+        save_steps=save_steps,
+        eval_steps=eval_steps,
+        seed=seed,
+        bf16=bf16,
+        gradient_checkpointing=gradient_checkpointing,
+        report_to=report_to,
+        disable_tqdm=disable_tqdm,
+    )
+    trainer = build_trainer(
+        model, tokenizer, args, train_set, eval_set, packing, callback_objects, use_mup, learning_rate
+    )
+    trainer.train()
+    eval_metrics = trainer.evaluate() if eval_set is not None else {}
+    details = {
+        "data": [str(path) for path in ([data] if isinstance(data, (str, Path)) else data)],
+        "block_size": block_size,
+        "packing": packing,
+        "lora": {"r": lora_r, "alpha": lora_alpha} if lora else None,
+        "mup": use_mup,
+        "train_sequences": len(train_set),
+    }
+    return finish(trainer, out, eval_metrics, details, base_model or _base_model_name(model_or_path))
+
+
+def build_trainer(
+    model: Any,
+    tokenizer: Any,
+    args: TrainingArguments,
+    train_set: list[dict[str, list[int]]],
+    eval_set: list[dict[str, list[int]]] | None,
+    packing: bool,
+    callbacks: list[Any],
+    mup: bool,
+    learning_rate: float | None,
+) -> RecipeTrainer:
+    """The `RecipeTrainer` of a run; LSLM gets its interleaved schedule and its own loss scaling."""
+    is_lslm = model.config.model_type == "lslm"
+    if is_lslm:
+        from hf_concept.training.lslm import InterleavedUpdates
+
+        callbacks = [*callbacks, InterleavedUpdates()]
+    trainer = RecipeTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        data_collator=data_collator(tokenizer, packing),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        mup=mup,
+        mup_learning_rate=learning_rate,
+    )
+    if is_lslm:
+        # LSLM returns a per-batch mean, not a num_items_in_batch share: Trainer divides by the accumulation.
+        trainer.model_accepts_loss_kwargs = False
+    return trainer
+
+
+def _no_accelerator() -> bool:
+    """No GPU (CUDA, XPU, MPS) here: Trainer must be told to use the CPU, or bf16 and accelerate's
+    gloo/CPU data parallelism are refused (several processes would then each train alone)."""
+    backends = (torch.cuda, getattr(torch, "xpu", None), getattr(torch.backends, "mps", None))
+    return not any(backend is not None and backend.is_available() for backend in backends)
+
+
+def _base_model_name(source: Any) -> str | None:
+    """The checkpoint a run started from (None when built from scratch)."""
+    if isinstance(source, PreTrainedModel):
+        return source.name_or_path or None
+    is_folder = isinstance(source, (str, Path)) and Path(source).is_dir()
+    if is_folder and any((Path(source) / name).is_file() for name in WEIGHT_FILES):
+        return str(source)
+    return None
+
+
+def _last_logged(log_history: list[dict[str, Any]], key: str) -> float | None:
+    for entry in reversed(log_history):
+        if key in entry:
+            return float(entry[key])
+    return None
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move the complete model in `staging` into `out`, config.json last.
+
+    An older model's config.json goes first, so from the first move to the last `out` holds no
+    config.json: a folder with one is always a complete model. Older weight shards and indexes are
+    removed, so a stale index cannot point at shards of another model.
+    """
+    (out / "config.json").unlink(missing_ok=True)
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    for entry in sorted(staging.iterdir(), key=lambda item: item.name == "config.json"):
+        target = out / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    staging.rmdir()
+
+
+def _write_card(staging: Path, out: Path, base_model: str | None, **figures: Any) -> Path | None:
+    """The model card in `staging`, its load snippet naming `out` (where the model will be)."""
+    try:
+        from hf_concept.model_card import write_model_card
+    except ImportError as error:
+        logger.warning(f"model card skipped: hf_concept.model_card is not available ({error})")
+        return None
+    extra = {}
+    if "name_or_path" in inspect.signature(write_model_card).parameters:
+        extra["name_or_path"] = str(out)
+    write_model_card(staging, base_model=base_model, **figures, **extra)
+    return out / "README.md"
+
+
+def _save_final(trainer: ConceptTrainer, model: PreTrainedModel, staging: Path, merged: bool) -> None:
+    """Write model + tokenizer to `staging`. Every rank calls this (FSDP/DeepSpeed gather the weights)."""
+    if trainer.is_world_process_zero():
+        shutil.rmtree(staging, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    if merged:
+        if trainer.is_world_process_zero():
+            model.save_pretrained(staging)
+            trainer.processing_class.save_pretrained(staging)
+    else:
+        trainer.save_model(str(staging))
+    if trainer.is_world_process_zero():
+        # Trainer pickles its arguments next to the weights; a shared checkpoint should not carry a pickle.
+        (staging / "training_args.bin").unlink(missing_ok=True)
+
+
+def finish(
+    trainer: ConceptTrainer,
+    out: Path,
+    eval_metrics: dict[str, float],
+    details: dict[str, Any],
+    base_model: str | None,
+) -> TrainResult:
+    """Save the trained model (merged if LoRA) with tokenizer and card into `out`; gather the figures."""
+    state, args = trainer.state, trainer.args
+    trainer.save_state()
+    model = trainer.model
+    merged = hasattr(model, "merge_and_unload")
+    if merged:
+        model = model.merge_and_unload()
+    compression = eval_metrics.get(
+        "eval_compression_ratio", _last_logged(state.log_history, "compression_ratio")
+    )
+    result = TrainResult(
+        output_dir=out,
+        model=model,
+        tokenizer=trainer.processing_class,
+        log_history=list(state.log_history),
+        global_step=state.global_step,
+        # The last logged loss; without any log in the run, the run's mean ("train_loss").
+        train_loss=_last_logged(state.log_history, "loss") or _last_logged(state.log_history, "train_loss"),
+        eval_loss=eval_metrics.get("eval_loss"),
+        compression=compression,
+        is_main_process=trainer.is_world_process_zero(),
+        metrics=dict(eval_metrics),
+    )
+    training = {
+        **details,
+        "steps": state.global_step,
+        "epochs": round(float(state.epoch or 0.0), 4),
+        "learning_rate": args.learning_rate,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "world_size": args.world_size,
+        "seed": args.seed,
+        "final_train_loss": result.train_loss,
+    }
+    evaluation = {key: float(value) for key, value in eval_metrics.items() if key == "eval_loss"}
+    if result.eval_loss is not None:
+        evaluation["eval_perplexity"] = math.exp(min(result.eval_loss, 50.0))
+    staging = out / STAGING_NAME
+    _save_final(trainer, model, staging, merged)
+    if result.is_main_process:
+        try:
+            result.card_path = _write_card(
+                staging, out, base_model, training=training, evaluation=evaluation, compression=compression
+            )
+            publish(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    trainer.accelerator.wait_for_everyone()
+    return result
