@@ -38,12 +38,11 @@ from hf_concept.conversion.writer import (
     copy_side_files,
     parse_size,
     write_config_with_remote_code,
-    write_model_card,
     write_tensors,
 )
+from hf_concept.model_card import card_license, write_model_card
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "conceptmoe.md"
 _SOURCE_LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.+)$")
 _JOINT_PROJECTOR = re.compile(r"\.self_attn\.concept_[qkv]_proj\.weight$")
 
@@ -248,7 +247,6 @@ def convert_to_conceptmoe(
     config = conceptmoe_config_from_source(source_config, **options)
     dtype = resolve_dtype(dtype, source_config)
     check_safetensors_files(src)
-    card_template = MODEL_CARD_TEMPLATE.read_text()
     shapes = expected_shapes(config)
     tensors = converted_tensors(src, source_config.model_type, config, shapes, dtype, allow_pickle, seed)
     ConceptMoEModel, ConceptMoEForCausalLM = _model_classes()
@@ -259,37 +257,12 @@ def convert_to_conceptmoe(
         model_classes = {"AutoModel": ConceptMoEModel, "AutoModelForCausalLM": ConceptMoEForCausalLM}
         write_config_with_remote_code(folder, config, model_classes)
         copy_side_files(src, folder)
-        card_data, settings = _card_metadata(config, source_config.model_type, base_model or str(src), dtype)
+        # The source's own card may state its licence; the converted weights inherit it.
         write_model_card(
-            folder, card_template, card_data, base_model=card_data["base_model"], settings=settings
+            folder,
+            base_model=base_model or str(src),
+            license=card_license(src),
+            name_or_path=str(dst),
+            settings={"source_model_type": source_config.model_type},
         )
     return dst
-
-
-def _card_metadata(config, source_type: str, base_model: str, dtype: torch.dtype) -> tuple[dict, dict]:
-    """(model card metadata, architecture settings) for the README: base model, tags, settings."""
-    settings = {
-        "source_model_type": source_type,
-        "encoder_layers": config.encoder_layers,
-        "concept_layers": config.num_concept_layers,
-        "decoder_layers": config.decoder_layers,
-        "chunking": config.chunking,
-        "compression_ratio": config.compression_ratio,
-        "router": config.router,
-        "router_init": config.router_init,
-        "pooling": config.pooling,
-        "dechunk_residual": config.dechunk_residual,
-        "joint_decoding_layers": config.num_joint_layers,
-        "concept_loop": config.concept_loop,
-        "num_experts": config.num_experts,
-        "num_experts_per_tok": config.num_experts_per_tok if config.num_experts else None,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-    card_data = dict(
-        library_name="transformers",
-        pipeline_tag="text-generation",
-        base_model=base_model,
-        tags=["custom_code", "conceptmoe", "hf_concept"],
-        conceptmoe=settings,
-    )
-    return card_data, settings

@@ -46,11 +46,10 @@ from hf_concept.conversion.writer import (
     copy_side_files,
     parse_size,
     write_config_with_remote_code,
-    write_model_card,
     write_tensors,
 )
+from hf_concept.model_card import card_license, write_model_card
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "hidden_decoding.md"
 HIDDEN_DECODING_TYPE = "hidden_decoding"
 STREAM_LAYER_KINDS = ("intra", "local", "full")
 # One letter per layer kind in compact layout patterns ("iiif*2").
@@ -273,7 +272,7 @@ def convert_to_hidden_decoding(
     source = replicated_tensors(src, source_config.model_type, num_streams, tied_source, allow_pickle)
     options = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
     options.update(base_model=base_model or str(src))
-    options["settings"] = {"source_model_type": source_config.model_type, **_settings(config, dtype)}
+    options["settings"] = {"source_model_type": source_config.model_type}
     return _write(src, dst, config, checked_tensors(src, source, shapes, dtype), len(shapes), options)
 
 
@@ -367,7 +366,7 @@ def expand_hidden_decoding(
     source = _expanded_tensors(src, old_config, num_streams, allow_pickle)
     options = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
     options.update(base_model=base_model or str(src))
-    options["settings"] = {"expanded_from_num_streams": old_config.num_streams, **_settings(config, dtype)}
+    options["settings"] = {"expanded_from_num_streams": old_config.num_streams}
     return _write(src, dst, config, checked_tensors(src, source, shapes, dtype), len(shapes), options)
 
 
@@ -376,7 +375,6 @@ def _write(src: Path, dst: Path, config, tensors: Iterator, total: int, options:
 
     `options`: dtype, max_shard_size, overwrite, base_model and the card's `settings`."""
     HiddenDecodingModel, HiddenDecodingForCausalLM = _model_classes()
-    template = MODEL_CARD_TEMPLATE.read_text()
     with atomic_folder(dst, overwrite=options["overwrite"]) as folder:
         write_tensors(folder, tensors, options["max_shard_size"], total=total, description="convert")
         config.dtype = options["dtype"]
@@ -384,35 +382,12 @@ def _write(src: Path, dst: Path, config, tensors: Iterator, total: int, options:
         model_classes = {"AutoModel": HiddenDecodingModel, "AutoModelForCausalLM": HiddenDecodingForCausalLM}
         write_config_with_remote_code(folder, config, model_classes)
         copy_side_files(src, folder)
-        card_data = dict(
-            library_name="transformers",
-            pipeline_tag="text-generation",
-            base_model=options["base_model"],
-            tags=["custom_code", "hidden_decoding", "hf_concept"],
-            hidden_decoding=options["settings"],
-        )
+        # The source's own card may state its licence; the converted weights inherit it.
         write_model_card(
             folder,
-            template,
-            card_data,
             base_model=options["base_model"],
+            license=card_license(src),
             settings=options["settings"],
-            layout=config.stream_attention_layout,
+            name_or_path=str(dst),
         )
     return dst
-
-
-def _settings(config, dtype: torch.dtype) -> dict[str, Any]:
-    """The architecture settings the model card lists (and its metadata carries)."""
-    layout = list(config.stream_attention_layout)
-    return {
-        "num_streams": config.num_streams,
-        "stream_attention_layout": compact_layout(layout),
-        "cross_stream_layers": sum(kind != "intra" for kind in layout),
-        "sliding_window": config.sliding_window,
-        "intra_stream_positions": config.intra_stream_positions,
-        "stream_kv": config.stream_kv,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_experts": config.num_experts,
-        "dtype": str(dtype).removeprefix("torch."),
-    }

@@ -1,4 +1,4 @@
-"""Write a converted checkpoint atomically: shards, index, config with remote code, side files, model card.
+"""Write a converted checkpoint atomically: shards, index, config with remote code, side files.
 
 Contract:
 - Everything is written into a hidden temporary sibling of the destination (`.<name>.tmp-XXXX`) and
@@ -228,11 +228,3 @@ def copy_side_files(source: Path, folder: Path) -> list[str]:
             shutil.copytree(source / name, folder / name)
             copied.append(name)
     return copied
-
-
-def write_model_card(folder: Path, template: str, card_data: dict, **template_values) -> None:
-    """README.md from a Jinja `template` (with `{{ card_data }}` in its front matter) and metadata."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    card = ModelCard.from_template(ModelCardData(**card_data), template_str=template, **template_values)
-    card.save(folder / "README.md")

@@ -1,0 +1,117 @@
+"""`hf-concept push CHECKPOINT REPO_ID`: upload a checkpoint folder to the Hugging Face Hub.
+
+The work is `hf_concept.hub.push_checkpoint`; this module maps flags onto it and prints. A checkpoint that
+would not load (no config.json, no weights, a missing remote-code module), a missing folder or a bad repo
+id prints one line to stderr and exits 2 before anything is sent; a failed upload exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DESCRIPTION = (
+    "Upload a checkpoint folder (weights, remote-code files, tokenizer, model card) to a Hub model repo."
+)
+EPILOG = """\
+what is uploaded:
+  every file under CHECKPOINT except hidden files and folders (.git/, .DS_Store, .gitattributes, ...),
+  __pycache__/ and *.pyc, and Trainer checkpoint-*/ and checkpoints/ folders (unless --include-checkpoints).
+  The folder must hold config.json, the weights (model.safetensors, or an index and all its shards, or
+  pytorch_model.bin) and, for remote code, every .py that auto_map names plus the modules they import
+  with `from .x import`.
+
+model card:
+  without a README.md, push writes one (hf_concept's card for the model family) into CHECKPOINT and
+  says so; a card that hf-concept wrote and nobody edited is rewritten so that its load snippet names
+  REPO_ID. Any other README.md is uploaded unchanged.
+
+token:
+  --token, else the HF_TOKEN environment variable, else the token saved by `hf auth login`.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "push",
+        help="Upload a checkpoint folder to the Hugging Face Hub.",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoint", type=Path, help="Checkpoint folder (as written by save_pretrained).")
+    parser.add_argument("repo_id", help="Model repo, 'namespace/name' (or 'name' in your own namespace).")
+    parser.add_argument("--private", action="store_true", help="Create the repo private (if it is new).")
+    parser.add_argument("--revision", default=None, help="Branch to commit to; created from main if missing.")
+    parser.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
+    parser.add_argument("--commit-message", default=None, help="Commit title.")
+    parser.add_argument(
+        "--include-checkpoints",
+        action="store_true",
+        help="Also upload Trainer checkpoint-*/ and checkpoints/ folders.",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="List exactly what would be uploaded (bytes, path); send nothing.",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_concept import hub
+
+    try:
+        if args.dry_run:
+            plan = hub.plan_upload(
+                args.checkpoint, args.repo_id, include_checkpoints=args.include_checkpoints
+            )
+            print_plan(plan, args)
+            return 0
+        # Validate before any network call, so a broken folder never creates an empty repo.
+        hub.plan_upload(args.checkpoint, args.repo_id, include_checkpoints=args.include_checkpoints)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as error:
+        print(f"hf-concept push: error: {error}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print_plan(plan, args)
+        return 0
+    try:
+        url = hub.push_checkpoint(
+            args.checkpoint,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            token=args.token,
+            commit_message=args.commit_message,
+            include_checkpoints=args.include_checkpoints,
+            report=print,
+        )
+    except (OSError, ValueError) as error:
+        # HTTP, connection, offline-mode and missing-token errors of huggingface_hub are all OSErrors.
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"hf-concept push: error: upload to {args.repo_id!r} failed: {message}", file=sys.stderr)
+        return 1
+    print(f"pushed {args.checkpoint} to {url}")
+    return 0
+
+
+def print_plan(plan, args: argparse.Namespace) -> None:
+    """The dry-run listing: one line per file (bytes, relative path), then the total and what is left out."""
+    visibility = "private" if args.private else "public"
+    branch = args.revision or "main"
+    print(f"dry run: would upload to model repo {plan.repo_id} ({visibility} if created), branch {branch}:")
+    card_notes = {
+        "written": "  (model card written by push: the folder has none)",
+        "rewritten": f"  (model card rewritten by push to load from {plan.repo_id})",
+    }
+    for path, size in plan.files:
+        note = card_notes.get(plan.card_action, "") if path == "README.md" else ""
+        print(f"{size:>12}  {path}{note}")
+    print(f"{plan.total_bytes:>12}  total, {len(plan.files)} files")
+    if plan.code_files:
+        print(f"remote code: the {len(plan.code_files)} .py files that auto_map needs are all present")
+    for entry in plan.skipped:
+        print(f"not uploaded: {entry}")
+    for note in plan.notes:
+        print(f"note: {note}")

@@ -1,0 +1,295 @@
+"""Share a checkpoint folder on the Hugging Face Hub: validate it, plan the upload, push it.
+
+What gets uploaded (`files_to_upload`): every file under the folder except
+- hidden files and folders (a name starting with "."): `.git/`, `.DS_Store`, `.ipynb_checkpoints/`,
+  `.cache/`, `.gitattributes` (the Hub keeps its own), and the staging folders of an interrupted write;
+- `__pycache__/` folders and compiled `*.pyc` / `*.pyo` files;
+- `Trainer` checkpoint folders (`checkpoint-*/`, and `checkpoints/` where `hf-concept train` keeps them, at
+  the top level), unless `include_checkpoints=True`.
+
+Before anything leaves the machine, `check_checkpoint` insists on a loadable checkpoint: `config.json`;
+weights (`model.safetensors`, or an index with every shard it names, or `pytorch_model.bin`); and for
+remote-code model types every module named in the `auto_map` of `config.json` and `tokenizer_config.json`
+plus every sibling those import with `from .x import` (the files `from_pretrained` will ask for).
+
+The model card: a folder without `README.md` gets one written by `model_card.write_model_card` (into the
+folder, and reported, so that the local folder and the repo stay the same). A card that `hf_concept`
+wrote and nobody edited since is rewritten so that its load snippet names the repo instead of a local
+path (reported too). Any other card is uploaded as it is.
+
+The upload is `HfApi.create_repo(exist_ok=True)`, `create_branch(exist_ok=True)` when a revision other
+than main is asked for, then one `upload_folder` restricted (`allow_patterns`) to exactly the planned
+files. `HfApi` can be injected, which is how the tests run offline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from huggingface_hub import HfApi
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint-"
+# Where `hf-concept train` keeps Trainer's checkpoints inside its output folder.
+TRAIN_CHECKPOINTS = "checkpoints"
+COMPILED_SUFFIXES = (".pyc", ".pyo")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+@dataclass
+class UploadPlan:
+    """What `push_checkpoint` would do: the files (relative POSIX path, size in bytes), in upload order,
+    the model-card action ("kept", "written" or "rewritten") with the new card text, and notes."""
+
+    folder: Path
+    repo_id: str
+    files: list[tuple[str, int]]
+    code_files: list[str]
+    card_action: str = "kept"
+    card_text: str | None = None
+    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def _skipped(name: str, is_dir: bool, top_level: bool, include_checkpoints: bool) -> str | None:
+    """Why the entry `name` is left out of the upload (None: it is uploaded)."""
+    if name.startswith("."):
+        return "hidden"
+    if is_dir and name == "__pycache__":
+        return "Python cache"
+    if not is_dir and name.endswith(COMPILED_SUFFIXES):
+        return "compiled Python"
+    checkpoints = name.startswith(CHECKPOINT_PREFIX) or name == TRAIN_CHECKPOINTS
+    if is_dir and top_level and checkpoints and not include_checkpoints:
+        return "Trainer checkpoint; pass --include-checkpoints to upload it"
+    return None
+
+
+def scan_folder(folder: str | Path, *, include_checkpoints: bool = False) -> tuple[list[Path], list[str]]:
+    """(files to upload as relative paths, sorted; "path (reason)" for each top-most entry left out)."""
+    folder = Path(folder)
+    files: list[Path] = []
+    skipped: list[str] = []
+    for root, dirs, names in os.walk(folder):
+        base = Path(root).relative_to(folder)
+        top_level = base == Path(".")
+        for name in sorted(dirs):
+            reason = _skipped(name, True, top_level, include_checkpoints)
+            if reason:
+                dirs.remove(name)
+                skipped.append(f"{(base / name).as_posix()}/ ({reason})")
+        for name in names:
+            reason = _skipped(name, False, top_level, include_checkpoints)
+            if reason:
+                skipped.append(f"{(base / name).as_posix()} ({reason})")
+            elif (Path(root) / name).is_file():
+                files.append(base / name)
+    return sorted(files, key=lambda path: path.as_posix()), sorted(skipped)
+
+
+def files_to_upload(folder: str | Path, *, include_checkpoints: bool = False) -> list[Path]:
+    """The files of `folder` that an upload sends, as paths relative to it (see the module docstring)."""
+    return scan_folder(folder, include_checkpoints=include_checkpoints)[0]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path.name} in {str(path.parent)!r} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} in {str(path.parent)!r} is not a JSON object")
+    return data
+
+
+def check_checkpoint(folder: str | Path) -> list[str]:
+    """Raise for a folder that would not load from the Hub; return the remote-code files it needs.
+
+    FileNotFoundError / NotADirectoryError for a missing folder; ValueError (one line, naming the file)
+    for no config.json, no weights, a shard missing from an index, or a missing remote-code module."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"checkpoint {str(folder)!r} is not a folder")
+    if not (folder / "config.json").is_file():
+        hint = ""
+        if (folder / "adapter_config.json").is_file():
+            hint = (
+                " (it holds a PEFT adapter: merge it with merge_and_unload() and save_pretrained the model)"
+            )
+        raise ValueError(f"no config.json in {str(folder)!r}{hint}")
+    config = _read_json(folder / "config.json")
+    _check_weights(folder)
+    return required_code_files(folder, config)
+
+
+def _check_weights(folder: Path) -> None:
+    for index_name in WEIGHT_INDEXES:
+        if (folder / index_name).is_file():
+            weight_map = _read_json(folder / index_name).get("weight_map") or {}
+            for shard in sorted(set(weight_map.values())):
+                if not (folder / shard).is_file():
+                    raise ValueError(f"{index_name} names {shard}, which is missing from {str(folder)!r}")
+            if weight_map:
+                return
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(
+            f"no weights in {str(folder)!r}: expected model.safetensors, or model.safetensors.index.json "
+            "with its shards, or pytorch_model.bin"
+        )
+
+
+def _auto_map_modules(folder: Path, config: dict) -> list[tuple[str, str]]:
+    """(module name, where it is named) for each local module in the auto_maps of the checkpoint.
+
+    A reference of the form "other/repo--module.Class" lives in another repo and is not checked."""
+    sources = [("config.json", config)]
+    if (folder / "tokenizer_config.json").is_file():
+        sources.append(("tokenizer_config.json", _read_json(folder / "tokenizer_config.json")))
+    modules: dict[str, str] = {}
+    for file_name, data in sources:
+        for auto_class, reference in (data.get("auto_map") or {}).items():
+            references = reference if isinstance(reference, list | tuple) else [reference]
+            for item in references:
+                if isinstance(item, str) and "--" not in item and "." in item:
+                    named_by = f"{file_name} auto_map[{auto_class!r}] names it"
+                    modules.setdefault(item.rsplit(".", 1)[0], named_by)
+    return list(modules.items())
+
+
+def required_code_files(folder: str | Path, config: dict | None = None) -> list[str]:
+    """The .py files `from_pretrained(..., trust_remote_code=True)` reads from the checkpoint: the modules
+    in the auto_maps and, recursively, the siblings they import with `from .x import` (found the way
+    transformers finds them). ValueError naming the missing file and who needs it."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    folder = Path(folder)
+    config = _read_json(folder / "config.json") if config is None else config
+    pending = [(f"{module}.py", named_by) for module, named_by in _auto_map_modules(folder, config)]
+    found: set[str] = set()
+    while pending:
+        file_name, named_by = pending.pop()
+        if file_name in found:
+            continue
+        if not (folder / file_name).is_file():
+            raise ValueError(f"{file_name} is missing from {str(folder)!r}: {named_by}")
+        found.add(file_name)
+        for module in get_relative_imports(str(folder / file_name)):
+            pending.append((f"{module}.py", f"{file_name} imports it (from .{module} import ...)"))
+    return sorted(found)
+
+
+def _glob_literal(path: str) -> str:
+    """`path` as an fnmatch pattern that matches only itself (upload_folder filters with fnmatch)."""
+    return "".join(f"[{char}]" if char in "[]*?" else char for char in path)
+
+
+def validate_hub_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"repo_id={repo_id!r} is not a Hub repo id: {error}") from None
+
+
+def plan_upload(folder: str | Path, repo_id: str, *, include_checkpoints: bool = False) -> UploadPlan:
+    """Validate `folder` and `repo_id` and describe the upload, without touching the folder or the Hub."""
+    validate_hub_repo_id(repo_id)
+    folder = Path(folder)
+    code_files = check_checkpoint(folder)
+    paths, skipped = scan_folder(folder, include_checkpoints=include_checkpoints)
+    action, card_text, card_note = _card_action(folder, repo_id)
+    sizes = {path.as_posix(): (folder / path).stat().st_size for path in paths}
+    if card_text is not None:
+        sizes["README.md"] = len(card_text.encode("utf-8"))
+    plan = UploadPlan(folder, repo_id, sorted(sizes.items()), code_files, action, card_text, skipped)
+    if card_note:
+        plan.notes.append(card_note)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        plan.notes.append("no tokenizer files in the folder: users will need the base model's tokenizer")
+    return plan
+
+
+def _card_action(folder: Path, repo_id: str) -> tuple[str, str | None, str | None]:
+    """("kept" | "written" | "rewritten", new card text or None, a note or None)."""
+    from hf_concept.model_card import previous_card_record, render_model_card
+
+    path = folder / "README.md"
+    if not path.is_file():
+        return "written", str(render_model_card(folder, name_or_path=repo_id)), None
+    record = previous_card_record(folder)
+    if record is None or record.get("load_id") in (None, repo_id):
+        return "kept", None, None
+    untouched = str(render_model_card(folder, name_or_path=record["load_id"]))
+    if path.read_text(encoding="utf-8") != untouched:
+        note = "README.md was edited after hf_concept wrote it: kept as is"
+        note += f" (its load snippet names {record['load_id']!r})"
+        return "kept", None, note
+    return "rewritten", str(render_model_card(folder, name_or_path=repo_id)), None
+
+
+def apply_card(plan: UploadPlan, report: Callable[[str], None] | None = None) -> None:
+    """Write the planned model card into the folder, saying so."""
+    if plan.card_text is None:
+        return
+    path = plan.folder / "README.md"
+    path.write_text(plan.card_text, encoding="utf-8")
+    what = "wrote a model card" if plan.card_action == "written" else "rewrote the model card"
+    (report or logger.warning)(f"{what} at {path} (its load snippet names {plan.repo_id!r})")
+
+
+def push_checkpoint(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    api: HfApi | None = None,
+    include_checkpoints: bool = False,
+    report: Callable[[str], None] | None = None,
+) -> str:
+    """Upload the checkpoint in `folder` to the model repo `repo_id`; returns the commit URL.
+
+    The folder is validated first (nothing is created on the Hub for a broken checkpoint). `private`
+    applies when the repo is created (an existing repo keeps its visibility). `revision` names a branch,
+    created from main when missing. `token`: None uses HF_TOKEN or the cached `hf auth login`.
+    `report` receives the one-line messages about the model card (default: a logging warning)."""
+    plan = plan_upload(folder, repo_id, include_checkpoints=include_checkpoints)
+    api = api if api is not None else HfApi(token=token)
+    repo_url = api.create_repo(
+        repo_id=repo_id, private=private, exist_ok=True, repo_type="model", token=token
+    )
+    # A bare name gets the caller's namespace; the card and the upload use the full id.
+    full_id = getattr(repo_url, "repo_id", None) or repo_id
+    if full_id != repo_id:
+        plan = plan_upload(folder, full_id, include_checkpoints=include_checkpoints)
+    if revision and revision != "main" and not revision.startswith("refs/"):
+        api.create_branch(repo_id=full_id, branch=revision, exist_ok=True, repo_type="model", token=token)
+    apply_card(plan, report)
+    family = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    commit = api.upload_folder(
+        repo_id=full_id,
+        folder_path=str(folder),
+        allow_patterns=[_glob_literal(path) for path, _ in plan.files],
+        commit_message=commit_message or f"Upload {family} checkpoint with hf-concept push",
+        revision=revision,
+        repo_type="model",
+        token=token,
+    )
+    return str(getattr(commit, "commit_url", None) or commit)
