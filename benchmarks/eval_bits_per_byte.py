@@ -6,18 +6,48 @@ Rows of the table:
   (`hf_concept.data`): each batch row is a random `--context`-token crop of one language's
   `<BoS> bytes`, the language drawn in proportion to its size; lr warms up linearly over the first 10% of
   the steps, then decays by a cosine to 10%. Its shape comes from `--params` (matched with
-  `match_gpt2_to`, e.g. to an LSLM's count, at depth `--layers` if given) or `--layers`/`--width`.
+  `match_gpt2_to` at depth `--layers` if given) or `--layers`/`--width`. With `--lslm` and no `--params`
+  it is matched to the LSLM's parameter count, at depth `--layers` or else the LSLM's total layer count
+  (the paper's Appendix B gives its GPT-2 the LSLM's 18 layers).
+- "lslm-POOLING", one per `--lslm POOLING` (`mean`, `hops:3`, ...): an `LSLMForCausalLM` with
+  `--lslm-layers` token/segment/decoder layers (default 2,4,2: the stage split of the paper's Appendix B
+  base model, 2 + 8 + 2, scaled down) at widths `--lslm-width` (segment encoder) and
+  `--lslm-token-width`/`--lslm-decoder-width` (narrower, as the paper's small encoder/decoder), heads of
+  width 32, MLPs 4x wide, Beta prior mean `--lslm-prior`, β = `--lslm-kl-weight`. It is trained on the
+  very batches of the baseline (same sampler and seed), with the same steps, lr schedule, batch and
+  context, on its ELBO (`model(input_ids=batch, labels=batch).loss`: decoder cross-entropy per target +
+  β·KL), optimizer steps interleaved as LSLM §2.6 (`--lslm-update-schedule` k: k steps update the
+  generative model, then one the router; `hf_concept.training.lslm.drop_other_group_gradients`, the rule
+  `InterleavedUpdates` applies under `Trainer`). Its "train loss" is that ELBO, not nats per byte.
+- "lslm-POOLING@rate": the same trained LSLM with `boundary_threshold` moved from 0.5 to the (1 - r)
+  quantile of the router's q over 16 fresh training crops, r being their mean q. Training samples a
+  boundary with probability q_t (σ(p̂ + g′ − g″) >= 1/2, LSLM eq. 2), i.e. at rate r, while inference
+  thresholds q_t; until the router is confident (q near 0 or 1) the two disagree, and a router whose q
+  stays below 1/2 closes no segment at all at inference. This row evaluates the model with segments as
+  frequent as in its training; the threshold is chosen on train text only.
 - one row per `--model PATH`: any checkpoint that `AutoModelForCausalLM.from_pretrained(PATH,
   trust_remote_code=True)` loads and that predicts the next byte id from the byte ids before it (a GPT-2
-  saved with `--save`, for instance). An LSLM also spends bits on segment markers and boundary decisions;
-  those come from its own outputs, not from this byte-only count.
+  saved with `--save`, for instance). An LSLM checkpoint also gets the ELBO view below.
 
 Each cell is `bits_per_byte` over the `heldout` split with `--context`-token windows and stride
 context/2 (counting rules: `hf_concept.evaluation`'s docstring; a uniform model scores log2(261) = 8.03).
-`--quick` is a smoke run: a tiny model, a few steps, the first 512 bytes of each held-out text.
+For an LSLM that is the byte path: its per-token logits predict the next input byte; on plain text the
+router closes segments from the prefix alone, so this is a code length for the bytes, and the mass the
+decoder puts on `<nxt>` (or any special id) where no boundary follows is lost. No marker is counted.
+
+A second table gives each LSLM's ELBO view (`hf_concept.evaluation.lslm_code_length`, same windows):
+"bytes" = the decoder's cross-entropy of the byte targets (equal to the byte path by construction: the
+same slots predict the same bytes), "boundary" = the cross-entropy of the `<nxt>` targets, charged to
+the byte that closes a segment, per byte of text, "total" = their sum (what the decoder's loss counts,
+without the KL term), "B/seg" = scored bytes per segment (the realised compression) and "mean q" = the
+router's mean boundary probability over the scored bytes (the rate at which training would sample).
+
+`--quick` is a smoke run: tiny models, a few steps, the first 512 bytes of each held-out text.
 
     python benchmarks/eval_bits_per_byte.py [--steps 300] [--params N [--layers L] | --layers 4 --width 128]
         [--context 256] [--batch-size 16] [--lr 2e-3] [--seed 0] [--model PATH ...] [--no-baseline]
+        [--lslm POOLING ...] [--lslm-layers 2,4,2] [--lslm-width 128] [--lslm-token-width 64]
+        [--lslm-decoder-width 64] [--lslm-prior 0.2] [--lslm-kl-weight 1.0] [--lslm-update-schedule 3]
         [--save DIR] [--json PATH] [--threads N] [--quick]
 """
 
@@ -35,10 +65,22 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from hf_concept.data import LANGUAGES, load_text
-from hf_concept.evaluation import bits_per_byte, byte_gpt2_baseline
+from hf_concept.evaluation import (
+    bits_per_byte,
+    byte_gpt2_baseline,
+    lslm_boundary_probabilities,
+    lslm_code_length,
+)
+from hf_concept.modeling.configuration_lslm import LSLMConfig
+from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID, VOCAB_SIZE, ByteTokenizer
+from hf_concept.training.lslm import drop_other_group_gradients
 
-QUICK = dict(steps=4, layers=1, width=32, context=64, batch_size=4, eval_bytes=512)
+QUICK = dict(
+    steps=4, layers=1, width=32, context=64, batch_size=4, eval_bytes=512, lslm_layers=(1, 1, 1),
+    lslm_width=32, lslm_token_width=16, lslm_decoder_width=16,
+)  # fmt: skip
+HEAD_WIDTH = 32
 WARMUP_FRACTION = 0.1
 FINAL_LR_FRACTION = 0.1
 
@@ -57,6 +99,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", action="append", default=[], help="checkpoint to evaluate (repeatable)")
     parser.add_argument("--no-baseline", action="store_true", help="skip training the GPT-2 baseline")
     parser.add_argument("--save", default=None, help="save the trained baseline to this folder")
+    parser.add_argument(
+        "--lslm", action="append", default=[], metavar="POOLING", help="train an LSLM with this pooling"
+    )
+    parser.add_argument("--lslm-layers", type=_layer_split, default=(2, 4, 2), help="token,segment,decoder")
+    parser.add_argument("--lslm-width", type=int, default=128, help="LSLM segment-encoder width")
+    parser.add_argument("--lslm-token-width", type=int, default=64, help="LSLM token-encoder width")
+    parser.add_argument("--lslm-decoder-width", type=int, default=64, help="LSLM decoder width")
+    parser.add_argument("--lslm-prior", type=float, default=0.2, help="Beta prior mean (boundary rate)")
+    parser.add_argument("--lslm-kl-weight", type=float, default=1.0, help="β, the KL term's weight")
+    parser.add_argument(
+        "--lslm-update-schedule", type=int, default=3, help="k generator steps per router step"
+    )
     parser.add_argument("--eval-bytes", type=int, default=None, help="score only this many held-out bytes")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
@@ -68,9 +122,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for field in ("steps", "context", "batch_size", "threads"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
-    if args.no_baseline and not args.model:
-        parser.error("--no-baseline leaves nothing to evaluate: add --model PATH")
+    if args.no_baseline and not (args.model or args.lslm):
+        parser.error("--no-baseline leaves nothing to evaluate: add --model PATH or --lslm POOLING")
+    for pooling in args.lslm:
+        try:
+            lslm_config(args, pooling)
+        except ValueError as error:
+            parser.error(f"--lslm {pooling} (or an --lslm-* flag): {error}")
     return args
+
+
+def _layer_split(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(part.strip().isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} must be three positive ints: token,segment,decoder")
+    return tuple(int(part) for part in parts)
+
+
+def lslm_config(args: argparse.Namespace, pooling: str) -> LSLMConfig:
+    """The LSLM of `--lslm POOLING` and the `--lslm-*` flags (heads of width 32, MLPs 4x wide)."""
+    token_layers, segment_layers, decoder_layers = args.lslm_layers
+    stages = {}
+    for prefix, width in (
+        ("", args.lslm_width), ("token_", args.lslm_token_width), ("decoder_", args.lslm_decoder_width)
+    ):  # fmt: skip
+        stages[f"{prefix}hidden_size"] = width
+        stages[f"{prefix}intermediate_size"] = 4 * width
+        stages[f"{prefix}num_attention_heads"] = max(1, width // HEAD_WIDTH)
+    config = LSLMConfig(
+        **stages,
+        token_encoder_layers=token_layers,
+        segment_encoder_layers=segment_layers,
+        decoder_layers=decoder_layers,
+        max_position_embeddings=args.context,
+        pooling=pooling,
+        prior_mean=args.lslm_prior,
+        kl_weight=args.lslm_kl_weight,
+        update_schedule=args.lslm_update_schedule,
+    )
+    config.check_fields()
+    config._attn_implementation = "sdpa"
+    return config
 
 
 def train_token_rows() -> list[torch.Tensor]:
@@ -99,33 +191,48 @@ def learning_rate_factor(step: int, steps: int) -> float:
     return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_baseline(args: argparse.Namespace) -> tuple[nn.Module, float]:
-    """The GPT-2 byte baseline after `args.steps` steps, and its mean training loss over the last 10%."""
+def build_baseline(args: argparse.Namespace, lslm_parameters: int | None, lslm_layers: int) -> nn.Module:
+    """The GPT-2 byte baseline: matched to `--params`, else to the LSLM's count (depth `--layers` or the
+    LSLM's total layers), else `--layers` x `--width`."""
     torch.manual_seed(args.seed)
-    if args.params is not None:
-        model = byte_gpt2_baseline(args.params, n_layer=args.layers, n_positions=args.context)
-    else:
-        model = byte_gpt2_baseline(n_layer=args.layers or 4, n_embd=args.width, n_positions=args.context)
+    target = args.params if args.params is not None else lslm_parameters
+    if target is not None:
+        depth = args.layers if args.layers is not None or args.params is not None else lslm_layers
+        return byte_gpt2_baseline(target, n_layer=depth, n_positions=args.context)
+    return byte_gpt2_baseline(n_layer=args.layers or 4, n_embd=args.width, n_positions=args.context)
+
+
+def train(model: nn.Module, args: argparse.Namespace, generator_steps: int | None = None) -> float:
+    """`args.steps` AdamW steps of `model`'s own loss on the shared batches; returns the mean loss over the
+    last 10% of the steps. With `generator_steps` k, optimizer steps are interleaved (LSLM §2.6): after
+    clipping, the gradients of the group that the step does not update are dropped."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: learning_rate_factor(step, args.steps)
     )
     rows, rng = train_token_rows(), random.Random(args.seed)
+    # The LSLM samples its training boundaries with torch's generator: seeded, so a run is repeatable.
+    torch.manual_seed(args.seed)
     model.train()
     losses = []
     for step in range(args.steps):
         batch = sample_batch(rows, args.batch_size, args.context, rng)
-        loss = model(input_ids=batch, labels=batch).loss
+        output = model(input_ids=batch, labels=batch)
+        loss = output.loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if generator_steps is not None:
+            drop_other_group_gradients(model, step, generator_steps)
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
         if (step + 1) % max(1, args.steps // 10) == 0 or step + 1 == args.steps:
-            print(f"  step {step + 1}/{args.steps}  loss {loss.item():.3f} nats/token", flush=True)
+            rate = getattr(output, "boundary_rate", None)
+            sampled = "" if rate is None else f"  sampled boundary rate {rate.item():.3f}"
+            print(f"  step {step + 1}/{args.steps}  loss {loss.item():.3f}{sampled}", flush=True)
     tail = losses[-max(1, len(losses) // 10) :]
-    return model, sum(tail) / len(tail)
+    return sum(tail) / len(tail)
 
 
 def heldout_texts(eval_bytes: int | None) -> dict[str, str]:
@@ -145,6 +252,21 @@ def evaluate(model: nn.Module, texts: dict[str, str], args: argparse.Namespace) 
         ).bits_per_byte
         for language, text in texts.items()
     }
+
+
+def evaluate_elbo_view(model: nn.Module, texts: dict[str, str], args: argparse.Namespace) -> dict[str, dict]:
+    """Per language: bits per byte of the byte targets, of the boundaries, their sum, bytes per segment."""
+    tokenizer, view = ByteTokenizer(), {}
+    for language, text in texts.items():
+        code = lslm_code_length(model, tokenizer, text, context=args.context, batch_size=args.batch_size)
+        view[language] = dict(
+            byte_bits=code.byte_bits_per_byte,
+            boundary_bits=code.boundary_bits_per_byte,
+            total_bits=code.bits_per_byte,
+            bytes_per_segment=code.bytes_per_segment,
+            mean_q=code.mean_boundary_probability,
+        )
+    return view
 
 
 def load_checkpoint(path: str) -> nn.Module:
@@ -170,30 +292,103 @@ def print_table(results: list[dict], texts: dict[str, str]) -> None:
         print(f"{row['model']:<24} {row['parameters']:>10} {train_s:>8} {train_loss:>10} {cells}")
 
 
+def print_elbo_table(results: list[dict]) -> None:
+    rows = [row for row in results if row.get("elbo_view")]
+    if not rows:
+        return
+    print(
+        "\nLSLM ELBO view (bits per byte: byte targets + <nxt> targets = total; bytes per segment; "
+        "mean router q)"
+    )
+    header = f"{'model':<24} {'lang':>4} {'bytes':>7} {'boundary':>8} {'total':>7} {'B/seg':>8} {'mean q':>6}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        for language, cell in row["elbo_view"].items():
+            print(
+                f"{row['model']:<24} {language:>4} {cell['byte_bits']:>7.3f} {cell['boundary_bits']:>8.3f} "
+                f"{cell['total_bits']:>7.3f} {cell['bytes_per_segment']:>8.2f} {cell['mean_q']:>6.3f}"
+            )
+
+
+def trained_row(
+    name: str,
+    model: nn.Module,
+    args: argparse.Namespace,
+    texts: dict[str, str],
+    generator_steps: int | None = None,
+) -> dict:
+    print(f"training {name} ({model.num_parameters()} parameters) for {args.steps} steps", flush=True)
+    start = time.perf_counter()
+    train_loss = train(model, args, generator_steps)
+    seconds = time.perf_counter() - start
+    return dict(model=name, parameters=model.num_parameters(), train_seconds=seconds, train_loss=train_loss,
+                bits_per_byte=evaluate(model, texts, args))  # fmt: skip
+
+
+def matched_threshold(model: nn.Module, args: argparse.Namespace) -> tuple[float, float]:
+    """(r, t): r = the router's mean q over 16 fresh training crops (the boundary rate training samples)
+    and t its (1 - r) quantile, the threshold at which inference closes segments at that rate."""
+    batch = sample_batch(train_token_rows(), 16, args.context, random.Random(args.seed + 1))
+    was_training = model.training
+    model.eval()
+    try:
+        probs = lslm_boundary_probabilities(model, batch)[batch >= BYTE_OFFSET].double()
+    finally:
+        model.train(was_training)
+    rate = probs.mean().item()
+    return rate, torch.quantile(probs, 1 - rate).item()
+
+
+def lslm_rows(name: str, model: nn.Module, args: argparse.Namespace, texts: dict[str, str]) -> list[dict]:
+    """The trained LSLM evaluated as configured (threshold 0.5), then as "NAME@rate": with its
+    `boundary_threshold` set so that inference closes segments at the rate training samples them."""
+    row = trained_row(name, model, args, texts, model.config.update_schedule)
+    rows = [{**row, "elbo_view": evaluate_elbo_view(model, texts, args)}]
+    rate, threshold = matched_threshold(model, args)
+    print(f"{name}@rate: mean q on train crops {rate:.3f}; boundary_threshold {threshold:.4f} closes as many")
+    configured = model.config.boundary_threshold
+    model.config.boundary_threshold = threshold
+    try:
+        rows.append(
+            dict(row, model=f"{name}@rate", threshold=threshold, bits_per_byte=evaluate(model, texts, args),
+                 elbo_view=evaluate_elbo_view(model, texts, args))
+        )  # fmt: skip
+    finally:
+        model.config.boundary_threshold = configured
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     texts = heldout_texts(args.eval_bytes)
-    results = []
+    results, lslms = [], []
+    for pooling in args.lslm:
+        torch.manual_seed(args.seed)
+        lslms.append((pooling, LSLMForCausalLM(lslm_config(args, pooling))))
     if not args.no_baseline:
-        print(f"training the GPT-2 byte baseline for {args.steps} steps (seed {args.seed})", flush=True)
-        start = time.perf_counter()
-        model, train_loss = train_baseline(args)
-        seconds = time.perf_counter() - start
+        lslm_parameters = lslms[0][1].num_parameters() if lslms else None
+        model = build_baseline(args, lslm_parameters, sum(args.lslm_layers))
+        print(
+            f"GPT-2 baseline: n_layer={model.config.n_layer} n_embd={model.config.n_embd} (seed {args.seed})"
+        )
+        results.append(trained_row("gpt2-byte", model, args, texts))
         if args.save:
             model.save_pretrained(args.save)
             ByteTokenizer().save_pretrained(args.save)
-        results.append(
-            dict(model="gpt2-byte", parameters=model.num_parameters(), train_seconds=seconds,
-                 train_loss=train_loss, bits_per_byte=evaluate(model, texts, args))
-        )  # fmt: skip
+    for pooling, model in lslms:
+        results += lslm_rows(f"lslm-{pooling}", model, args, texts)
     for path in args.model:
         model = load_checkpoint(path)
-        results.append(
-            dict(model=os.path.basename(os.path.normpath(path)), parameters=model.num_parameters(),
-                 train_seconds=None, train_loss=None, bits_per_byte=evaluate(model, texts, args))
-        )  # fmt: skip
+        name = os.path.basename(os.path.normpath(path))
+        row = dict(model=name, parameters=model.num_parameters(), train_seconds=None, train_loss=None,
+                   bits_per_byte=evaluate(model, texts, args))  # fmt: skip
+        if getattr(model.config, "model_type", None) == "lslm":
+            row["elbo_view"] = evaluate_elbo_view(model, texts, args)
+        results.append(row)
     print_table(results, texts)
+    print_elbo_table(results)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"args": vars(args), "results": results}, handle, indent=2)

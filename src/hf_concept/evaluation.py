@@ -9,8 +9,8 @@ vocabulary, special ids included) is added to the total. Hence:
   inside the text, as a model trained on random crops sees them).
 - `<eos>` is neither appended nor counted: held-out text is a slice of a longer document, so "the text
   ends here" is not an event of the text, and counting it would make short texts look worse.
-- `<pad>`, `<bos>` and `<nxt>` are not part of the text and are never counted. An LSLM also spends bits on
-  its segment markers and boundary decisions; its own model reports those separately. This function
+- `<pad>`, `<bos>` and `<nxt>` are not part of the text and are never counted. An LSLM's decoder also
+  writes segment markers; `lslm_code_length` (below) reports those bits separately. This function
   scores only a model that predicts the next byte from the bytes before it.
 
 bits/byte = total nats / (N · ln 2). A model that puts probability 1/V on every id scores exactly log2 V.
@@ -21,6 +21,31 @@ max(0, e − C) … e − 1; so b_i is predicted from tokens max(0, e − C) …
 tokens (or all earlier ones, near the start). With S = C − 1 and N < C one window scores everything, the
 same sum as one full-sequence cross-entropy. Windows are batched with right padding and an attention
 mask; a causal model's logits at real positions do not depend on the padding after them.
+
+An LSLM (`LSLMForCausalLM`) goes through `bits_per_byte` like any causal LM: its per-token logits predict
+the next input token, and on plain text (no `<bos>`/`<nxt>` in the input) in eval mode the router closes
+segments deterministically from the bytes up to each position, so the per-token logits give a proper
+code for the bytes. Inside a segment they are the distribution of the byte's own decoder slot, whose
+mass on `<nxt>` (and on the other special ids) is simply lost; after a byte that closes its segment
+they are the distribution of the next segment's `<bos>` slot. Nothing else is counted.
+
+`lslm_code_length` is the ELBO's view of the same windows: the decoder writes the bytes AND a `<nxt>`
+after every byte that closes its segment. Per scored byte b_i it reads, from one forward pass:
+- byte nats: -log p(b_i) at the slot before b_i's slot (the `<bos>` slot when b_i opens a segment, else
+  the previous byte's slot): the very distribution the per-token logits give, so the byte total equals
+  `bits_per_byte`'s on the same windows;
+- boundary nats: -log p(`<nxt>`) at b_i's own slot when the router closes the segment at b_i (zero
+  otherwise), i.e. a boundary is charged to the byte that closes it, in the window that scores that
+  byte; the boundary after `<BoS>` (forced) is never charged, the one after the text's last byte is when
+  the router closes there;
+- segments: a scored byte that opens a segment counts one (the first byte of the text included), so
+  bytes per segment = scored bytes / segments.
+The KL term of the training loss is not a code length and is left out: at evaluation the boundaries are
+a deterministic function of the prefix. As with any model here, each window is a fresh document: its
+first byte opens a segment and reads no segment before the window. `lslm_code_length` also sums the
+router's q_t over the scored bytes (`lslm_boundary_probabilities` gives q_t per column): its mean is the
+rate at which training, which samples z_t ~ Bernoulli(q_t), would place boundaries, against the realised
+rate of the thresholded inference.
 """
 
 from __future__ import annotations
@@ -33,10 +58,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
 
+from hf_concept.modeling.modeling_lslm import byte_view
+from hf_concept.modeling.modeling_plain import default_position_ids
+from hf_concept.modeling.packing import document_starts
 from hf_concept.modeling.tokenization_lslm import (
     BYTE_OFFSET,
     EOS_ID,
     PAD_ID,
+    SEGMENT_END_ID,
     SEQUENCE_START_ID,
     VOCAB_SIZE,
     utf8_bytes,
@@ -108,14 +137,22 @@ def _windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int,
     return windows
 
 
-def _score_batch(model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, int, int]]) -> float:
-    """Sum of -log p over the scored positions of `batch`'s windows, run as one right-padded forward pass."""
+def _padded_windows(
+    tokens: torch.Tensor, batch: list[tuple[int, int, int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each (len(batch), longest window): the windows, right-padded."""
     width = max(end - start for start, _, end in batch)
     input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, (start, _, end) in enumerate(batch):
         input_ids[row, : end - start] = tokens[start:end]
         attention_mask[row, : end - start] = 1
+    return input_ids, attention_mask
+
+
+def _score_batch(model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, int, int]]) -> float:
+    """Sum of -log p over the scored positions of `batch`'s windows, run as one right-padded forward pass."""
+    input_ids, attention_mask = _padded_windows(tokens, batch)
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
     if logits.shape[-1] < VOCAB_SIZE:
@@ -168,6 +205,132 @@ def bits_per_byte(
     finally:
         model.train(was_training)
     return BitsPerByte(nats=nats, num_bytes=len(tokens) - 1)
+
+
+@dataclass(frozen=True)
+class LSLMCodeLength:
+    """An LSLM's code length for the `num_bytes` bytes of a text, split as the ELBO sees it (see the module
+    docstring): `byte_nats` for the bytes, `boundary_nats` for the `<nxt>` markers, `num_segments`
+    segments opened among the scored bytes, and the sum of the router's q over them."""
+
+    byte_nats: float
+    boundary_nats: float
+    num_bytes: int
+    num_segments: int
+    boundary_probability_sum: float = 0.0
+
+    @property
+    def byte_bits_per_byte(self) -> float:
+        return self.byte_nats / (self.num_bytes * math.log(2))
+
+    @property
+    def boundary_bits_per_byte(self) -> float:
+        return self.boundary_nats / (self.num_bytes * math.log(2))
+
+    @property
+    def bits_per_byte(self) -> float:
+        """Bytes and boundaries together: the decoder's cross-entropy per byte of text, in bits."""
+        return self.byte_bits_per_byte + self.boundary_bits_per_byte
+
+    @property
+    def bytes_per_segment(self) -> float:
+        return self.num_bytes / max(self.num_segments, 1)
+
+    @property
+    def mean_boundary_probability(self) -> float:
+        """Mean of the router's q over the scored bytes: the boundary rate that training would sample."""
+        return self.boundary_probability_sum / self.num_bytes
+
+
+def _lslm_byte_view(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """The LSLM's `ByteView` of rows of bytes (right or left padding; no markers) and its token states."""
+    config = model.config
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    mask = attention_mask.bool()
+    markers = (input_ids == config.segment_start_token_id) | (input_ids == config.segment_end_token_id)
+    if bool((markers & mask).any()):
+        raise ValueError("the LSLM evaluation scores plain bytes: input_ids hold <bos>/<nxt> markers")
+    position_ids = default_position_ids(attention_mask, length, 0, input_ids.device)
+    view = byte_view(input_ids, mask, document_starts(mask, position_ids.expand(batch, -1)), config)
+    return view, model.model.encode_tokens(view)
+
+
+def _to_input_columns(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(B, T) values of a `ByteView`'s columns (bytes at the right end) back at their input columns."""
+    return torch.zeros_like(values).scatter_(1, order, values)
+
+
+@torch.no_grad()
+def lslm_boundary_probabilities(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, T) float32: the router's q_t (probability that the column's byte ends its segment, LSLM eq. 2)
+    at each real input column of an `LSLMForCausalLM`, 0 at pads; `<BoS>` gets its q too, though it
+    always ends its segment. Rows hold no markers."""
+    view, token_states = _lslm_byte_view(model, input_ids, attention_mask)
+    probs = torch.sigmoid(model.model.router(token_states)).masked_fill(~view.mask, 0.0)
+    return _to_input_columns(probs, view.order)
+
+
+def lslm_column_costs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Per input column of a batch of byte rows (no markers), from one pass of an LSLM's stages (in the
+    model's current mode; `lslm_code_length` runs it in eval mode): (byte nats, boundary nats, opens,
+    q), each (B, T). Byte nats: -log p of the column's byte at the slot before its own; boundary nats:
+    -log p(`<nxt>`) at its own slot where the router (or `<BoS>`) closes the segment there, else 0;
+    opens: the byte opens a segment; q: the router's boundary probability. Pads get zeros."""
+    backbone = model.model
+    view, token_states = _lslm_byte_view(model, input_ids, attention_mask)
+    segmentation = backbone.segment(view, token_states)
+    segments, valid, documents = backbone.encode_segments(token_states, segmentation, view)
+    slots = backbone.decoder_slots(view, segmentation)
+    slot_states = backbone.decode(slots, segments, valid, documents)
+    log_probs = F.log_softmax(model.lm_head(slot_states).double(), dim=-1)  # (B, S, V)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]
+    own = slots.token_slot.clamp(min=1)  # (B, T) slot of each view byte; the slot before predicts it
+    byte_nats = -log_probs[rows, own - 1, view.ids].masked_fill(~view.mask, 0.0)
+    closes = view.mask & segmentation.content_ends
+    boundary_nats = -log_probs[rows, own, SEGMENT_END_ID].masked_fill(~closes, 0.0)
+    opens = (segmentation.opens & view.mask).double()
+    probs = segmentation.probs.double().masked_fill(~view.mask, 0.0)
+    return tuple(_to_input_columns(values, view.order) for values in (byte_nats, boundary_nats, opens, probs))
+
+
+@torch.no_grad()
+def lslm_code_length(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    *,
+    context: int = DEFAULT_CONTEXT,
+    stride: int | None = None,
+    batch_size: int = 8,
+) -> LSLMCodeLength:
+    """The ELBO view of an LSLM on `text`: byte and boundary nats and segments over the same windows as
+    `bits_per_byte` (arguments alike; counting rules in the module docstring). `model` is an
+    `LSLMForCausalLM`; it runs in eval mode (its training flag is restored afterwards)."""
+    stride = _check_window(model, context, stride, batch_size)
+    tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
+    windows = _windows(len(tokens), context, stride)
+    totals = torch.zeros(4, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    try:
+        for index in range(0, len(windows), batch_size):
+            batch = windows[index : index + batch_size]
+            input_ids, attention_mask = _padded_windows(tokens, batch)
+            device = next(model.parameters()).device
+            costs = lslm_column_costs(model, input_ids.to(device), attention_mask.to(device))
+            for row, (start, first, end) in enumerate(batch):
+                scored = slice(first - start, end - start)
+                totals += torch.stack([cost[row, scored].double().sum().cpu() for cost in costs])
+    finally:
+        model.train(was_training)
+    byte_nats, boundary_nats, segments, probabilities = totals.tolist()
+    return LSLMCodeLength(byte_nats, boundary_nats, len(tokens) - 1, round(segments), probabilities)
 
 
 @dataclass(frozen=True)

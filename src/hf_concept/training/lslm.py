@@ -1,21 +1,45 @@
-"""LSLM's interleaved optimisation (LSLM §2.6) under `Trainer`: k optimizer steps update the generative
-model θ (everything but the router), then one step updates the inference network φ (the router).
+"""LSLM's interleaved optimisation (LSLM §2.6): k optimizer steps update the generative model θ
+(everything but the router), then one step updates the inference network φ (the router).
 
-The callback drops the other group's gradients just before each optimizer step (after gradient
-clipping, whose norm therefore still spans both groups), so torch's optimizers leave those parameters —
-and their moment estimates — untouched on that step.
+The rule is `drop_other_group_gradients`: just before optimizer step s (0-based) it sets to None the
+gradients of the group that step s does not update, so torch's optimizers leave those parameters — and
+their moment estimates and weight decay — untouched on that step. Call it after gradient clipping, whose
+norm therefore still spans both groups. `InterleavedUpdates` applies it under `Trainer`; a manual loop
+calls it between `clip_grad_norm_` and `optimizer.step()`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
 from transformers import TrainerCallback
 
 
 def is_inference_parameter(name: str) -> bool:
     """The router's parameters form the inference network q(z | x); everything else is generative."""
     return ".router." in f".{name}"
+
+
+def update_phase(step: int, generator_steps: int) -> str:
+    """ "generator" or "inference": which group optimizer step `step` (0-based) updates, for k =
+    `generator_steps` (steps s with s % (k + 1) == k update the router)."""
+    if not (isinstance(generator_steps, int) and generator_steps >= 1):
+        raise ValueError(f"generator_steps={generator_steps!r} must be a positive integer")
+    return "inference" if step % (generator_steps + 1) == generator_steps else "generator"
+
+
+def drop_other_group_gradients(model: nn.Module, step: int, generator_steps: int) -> str:
+    """Set `.grad = None` on the parameters that optimizer step `step` must not update; returns the phase.
+
+    Generator steps keep every gradient but the router's, inference steps only the router's.
+    """
+    phase = update_phase(step, generator_steps)
+    keep_router = phase == "inference"
+    for name, parameter in model.named_parameters():
+        if is_inference_parameter(name) != keep_router:
+            parameter.grad = None
+    return phase
 
 
 class InterleavedUpdates(TrainerCallback):
@@ -31,7 +55,7 @@ class InterleavedUpdates(TrainerCallback):
 
     def phase(self, step: int, generator_steps: int) -> str:
         """ "generator" or "inference" for optimizer step `step` (0-based)."""
-        return "inference" if step % (generator_steps + 1) == generator_steps else "generator"
+        return update_phase(step, generator_steps)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs: Any):
         if model is None:
@@ -44,8 +68,5 @@ class InterleavedUpdates(TrainerCallback):
                     f"model of type {type(model).__name__} has no config.update_schedule; "
                     "pass generator_steps"
                 )
-        keep_router = self.phase(state.global_step, steps) == "inference"
-        for name, parameter in model.named_parameters():
-            if is_inference_parameter(name) != keep_router:
-                parameter.grad = None
+        drop_other_group_gradients(model, state.global_step, steps)
         return control

@@ -1,0 +1,105 @@
+"""Keeps benchmarks/bench_lslm.py from rotting: `--quick` runs decode and training end to end, and the
+pieces its figures rest on (the router setting, the forced-text decoding, the timing wrappers, the
+profile) do what they say."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lslm.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_lslm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_prints_every_part_with_positive_ratios(tmp_path):
+    figures_path = tmp_path / "figures.json"
+    command = [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--parts", "decode,train"]
+    result = subprocess.run(
+        [*command, "--json", str(figures_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout
+    for title in ("[decode: greedy generate", "[training: forward + backward"):
+        assert printed.count(title) == 1, title
+    assert printed.count("router of lslm-") == 4
+    figures = json.loads(figures_path.read_text())
+    decode = figures["decode"]
+    assert {(row["mode"], row["model"]) for row in decode} == {
+        (mode, model) for mode in ("text", "free") for model in ("lslm-mean", "lslm-hops:3")
+    }
+    assert all(
+        row["ratio"] > 0 and row["ms_per_byte"] > 0 and 0 <= row["boundary_rate"] <= 1 for row in decode
+    )
+    assert printed.count("<= 1.0x: ") == 4
+    train = figures["train"]
+    assert [row["model"] for row in train] == ["lslm-mean", "lslm-hops:3"]
+    assert all(row["ratio"] > 0 and row["bytes_per_s"] > 0 for row in train)
+    assert set(figures["routers"]) == {"decode", "train"}
+    for part, settings in figures["routers"].items():
+        assert set(settings) == {"lslm-mean", "lslm-hops:3"}
+        for name, setting in settings.items():
+            assert setting["rate"] == pytest.approx(0.2, abs=0.02), (part, name)
+            assert 0 <= setting["other_text_rate"] <= 1, (part, name)
+
+
+def test_router_setting_forced_decoding_and_timers():
+    bench = load_script()
+    args = bench.parse_args(["--quick"])
+    models = bench.build_models(args)
+    model = models["lslm-mean"]
+    rows = bench.decode_row(argparse.Namespace(**{**vars(args), "new_bytes": 400}))
+    # Untrained, q sits near 1/2; set, a `rate` share of bytes reaches the threshold, q mostly near 0 or 1.
+    # Setting it again starts from the untrained router (a set one saturates q).
+    untrained = bench.untrained_routers(models)
+    scales = []
+    for rate in (0.5, 0.25):
+        setting = bench.calibrate_router(model, rows, rate, untrained["lslm-mean"])
+        assert setting["rate"] == pytest.approx(rate, abs=0.01) and setting["threshold"] == 0.5
+        scales.append(setting["scale"])
+    assert scales[1] == pytest.approx(scales[0]) and scales[0] > 10
+    probs = bench.lslm_boundary_probabilities(model, rows)[rows >= bench.BYTE_OFFSET]
+    assert ((probs < 0.05) | (probs > 0.95)).float().mean() > 0.6
+    with torch.no_grad():
+        opened = model(input_ids=rows).boundaries[:, 2:].float().mean().item()
+    assert opened == pytest.approx(0.25, abs=0.01)
+    # Forced decoding writes exactly the continuation, whichever model.
+    prompt, continuation = bench.decode_inputs(args)
+    for candidate in (model, models["gpt2"]):
+        _, sequences = bench.generate_call(candidate, prompt, args.new_bytes, continuation)()
+        assert torch.equal(sequences[0, prompt.shape[1] :], continuation)
+    # Timing wrappers count while active and leave nothing behind.
+    push = vars(bench.SegmentCache)["push_open_states"]
+    timers = bench.lslm_timers(model)
+    try:
+        bench.cached_loop(model, prompt, continuation, timers)
+    finally:
+        timers.restore()
+    assert timers.calls["step (all)"] == len(continuation)
+    assert timers.calls["token encoder step"] == len(continuation)
+    assert not {"step", "token_step", "close_segments", "decoder_pass"} & set(vars(model.model))
+    assert "forward" not in vars(model.lm_head) and "forward" not in vars(model.model.router)
+    assert vars(bench.SegmentCache)["push_open_states"] is push
+    # The profile part: every LSLM part timed, the step's parts inside its total.
+    profile = bench.bench_profile(models, args)
+    bench.print_profile(profile)
+    for name in ("lslm-mean", "lslm-hops:3"):
+        entry = profile[name]
+        assert list(entry["parts"])[:5] == list(bench.STEP_PARTS)
+        assert all(value > 0 for value in entry["parts"].values()), entry["parts"]
+        assert sum(entry["parts"].values()) == pytest.approx(entry["step_ms"], rel=1e-6)
+        assert entry["closes_per_step"] > 0 and entry["ms_per_close"] > 0
+        assert entry["aten_ops"] > profile["gpt2"]["aten_ops"] > 0
