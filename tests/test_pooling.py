@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 from hf_concept.modeling.packing import document_starts
 from hf_concept.modeling.pooling import (
@@ -236,3 +237,25 @@ def test_left_padded_row_equals_row_alone_and_packed_equals_apart(method):
             token_states[:, piece], boundaries[:, piece], mask[:, piece], starts[:, piece], method
         )
         torch.testing.assert_close(packed[:, piece], apart)
+
+
+@pytest.mark.parametrize("method", ["first", "sum", "mean", "hops:0", "hops:2"])
+def test_pool_open_chunk_equals_pool_concepts_outputs_and_gradients(method):
+    """The decoding shortcut (one left-aligned chunk per row) against the general pooling."""
+    from hf_concept.modeling.pooling import pool_open_chunk
+
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(4, 6, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    counts = torch.tensor([6, 3, 1, 0])
+    mask = torch.arange(6)[None, :] < counts[:, None]
+    opens = mask & (torch.arange(6) == 0)[None, :]
+    weights = torch.randn(4, 1, 5, generator=generator, dtype=torch.float64)
+
+    shortcut = pool_open_chunk(states, counts, method)
+    expected, concept_mask = pool_concepts(states, opens, mask, method)
+    expected = torch.cat([expected, expected.new_zeros(4, 1, 5)], dim=1)[:, :1]  # the empty row: zeros
+    assert_close(shortcut, expected, atol=1e-12, rtol=0)
+    (grad_shortcut,) = torch.autograd.grad((shortcut * weights).sum(), states)
+    (grad_expected,) = torch.autograd.grad((expected * weights).sum(), states)
+    assert_close(grad_shortcut, grad_expected, atol=1e-12, rtol=0)
+    assert shortcut[3].abs().sum() == 0 and not concept_mask[3].any()

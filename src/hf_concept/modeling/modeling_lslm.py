@@ -60,7 +60,7 @@ from .forward_only_cache import adopt_cache
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
-from .pooling import chunk_index, pool_concepts
+from .pooling import chunk_index, pool_concepts, pool_open_chunk
 from .routing import gumbel_sigmoid, sample_gumbel_noise, straight_through
 from .segment_cache import RaggedStore, SegmentCache
 from .tokenization_lslm import BYTE_OFFSET
@@ -588,11 +588,8 @@ class LSLMModel(LSLMPreTrainedModel):
 
     def close_segments(self, cache: SegmentCache, closing: torch.Tensor) -> None:
         """Pool the open segment of the `closing` (B,) rows, encode it, append its cross K/V."""
-        width = cache.open_states.shape[1]
-        mask = torch.arange(width, device=closing.device)[None, :] < cache.open_counts[:, None]
-        opens = mask & (torch.arange(width, device=closing.device) == 0)[None, :]
-        pooled, _ = pool_concepts(cache.open_states, opens, mask, self.config.pooling)
-        pooled = pooled[:, :1]  # (B, 1, Dt); rows with nothing open pool to zeros, unused
+        # (B, 1, Dt); rows with nothing open pool to zeros, unused
+        pooled = pool_open_chunk(cache.open_states, cache.open_counts, self.config.pooling)
         if self.segment_in_proj is not None:
             pooled = self.segment_in_proj(pooled)
         store = cache.segment_store

@@ -165,6 +165,26 @@ def pool_concepts(
     return concept_states.to(token_states.dtype), concept_mask
 
 
+def pool_open_chunk(token_states: torch.Tensor, counts: torch.Tensor, method: str) -> torch.Tensor:
+    """Pool one chunk per row held left-aligned: (B, W, D) states of which row b's first `counts[b]` are
+    real -> (B, 1, D), as `pool_concepts` pools that chunk (zeros for an empty row; "first" is the
+    opening state). Used when a decoding step closes a chunk: no chunk index to build, no scatter."""
+    kind, hops = parse_pooling_method(method)
+    if kind == "first":
+        return token_states[:, :1] * (counts > 0)[:, None, None].to(token_states.dtype)
+    order = torch.arange(token_states.shape[1], device=counts.device)
+    keep = order[None, :] < counts[:, None]
+    if kind == "hops":
+        keep = keep & (order[None, :] >= (counts - hops - 1)[:, None])
+    accumulate = (
+        torch.float32 if token_states.dtype in (torch.float16, torch.bfloat16) else token_states.dtype
+    )
+    pooled = torch.where(keep[..., None], token_states.to(accumulate), 0.0).sum(dim=1, keepdim=True)
+    if kind == "mean":
+        pooled = pooled / counts.clamp(min=1)[:, None, None].to(accumulate)
+    return pooled.to(token_states.dtype)
+
+
 def readable_concept_index(
     boundaries: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor, method: str
 ) -> torch.Tensor:

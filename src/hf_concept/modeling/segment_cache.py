@@ -52,14 +52,21 @@ class RaggedStore:
     def begin(self, writing: torch.Tensor) -> None:
         """Each `update` until `end()` appends one entry to the rows where `writing` (B,) is True."""
         self.writing = writing
+        # Where the step writes, found once for all layers (each host sync costs more than the write).
+        self._rows = torch.nonzero(writing).flatten()
+        self._positions = self.lengths[self._rows]
+        self._width = self._max_length(self.lengths + writing.long())
 
     def end(self) -> None:
         self.lengths = self.lengths + self.writing.long()
         self.writing = None
 
-    def width(self) -> int:
-        lengths = self.lengths if self.writing is None else self.lengths + self.writing.long()
+    @staticmethod
+    def _max_length(lengths: torch.Tensor) -> int:
         return max(int(lengths.max()), 1) if lengths.numel() else 1
+
+    def width(self) -> int:
+        return self._max_length(self.lengths) if self.writing is None else self._width
 
     def allowed(self) -> torch.Tensor:
         """(B, W) bool: the entries a query of this step reads (at least entry 0, so that a row that
@@ -73,9 +80,7 @@ class RaggedStore:
         if self.writing is None:
             self.keys[layer_idx], self.values[layer_idx] = key, value
             return key, value
-        rows = torch.nonzero(self.writing).flatten()
-        positions = self.lengths[rows]
-        needed = int(positions.max()) + 1 if rows.numel() else 0
+        rows, positions, needed = self._rows, self._positions, self._width
         for store in (self.keys, self.values):
             stored = store.get(layer_idx)
             if stored is None:
