@@ -58,7 +58,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_concept.data import LANGUAGES, load_text
-from hf_concept.evaluation import byte_gpt2_baseline, lslm_boundary_probabilities
+from hf_concept.evaluation import byte_gpt2_baseline, lslm_boundary_probabilities, lslm_config_for
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.segment_cache import SegmentCache
@@ -124,23 +124,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def lslm_config(args: argparse.Namespace, pooling: str) -> LSLMConfig:
-    token_layers, segment_layers, decoder_layers = args.layers
-    stages = {}
-    for prefix, width in (("", args.width), ("token_", args.token_width), ("decoder_", args.decoder_width)):
-        stages[f"{prefix}hidden_size"] = width
-        stages[f"{prefix}intermediate_size"] = 4 * width
-        stages[f"{prefix}num_attention_heads"] = max(1, width // HEAD_WIDTH)
-    config = LSLMConfig(
-        **stages,
-        token_encoder_layers=token_layers,
-        segment_encoder_layers=segment_layers,
-        decoder_layers=decoder_layers,
+    return lslm_config_for(
+        tuple(args.layers),
+        (args.token_width, args.width, args.decoder_width),
+        HEAD_WIDTH,
         max_position_embeddings=max(args.train_context, args.prompt_bytes + args.new_bytes + 1),
         pooling=pooling,
         prior_mean=args.rate,
     )
-    config._attn_implementation = "sdpa"
-    return config
 
 
 def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:

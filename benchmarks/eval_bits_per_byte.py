@@ -70,6 +70,7 @@ from hf_concept.evaluation import (
     byte_gpt2_baseline,
     lslm_boundary_probabilities,
     lslm_code_length,
+    lslm_config_for,
 )
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
@@ -141,28 +142,16 @@ def _layer_split(text: str) -> tuple[int, int, int]:
 
 def lslm_config(args: argparse.Namespace, pooling: str) -> LSLMConfig:
     """The LSLM of `--lslm POOLING` and the `--lslm-*` flags (heads of width 32, MLPs 4x wide)."""
-    token_layers, segment_layers, decoder_layers = args.lslm_layers
-    stages = {}
-    for prefix, width in (
-        ("", args.lslm_width), ("token_", args.lslm_token_width), ("decoder_", args.lslm_decoder_width)
-    ):  # fmt: skip
-        stages[f"{prefix}hidden_size"] = width
-        stages[f"{prefix}intermediate_size"] = 4 * width
-        stages[f"{prefix}num_attention_heads"] = max(1, width // HEAD_WIDTH)
-    config = LSLMConfig(
-        **stages,
-        token_encoder_layers=token_layers,
-        segment_encoder_layers=segment_layers,
-        decoder_layers=decoder_layers,
+    return lslm_config_for(
+        tuple(args.lslm_layers),
+        (args.lslm_token_width, args.lslm_width, args.lslm_decoder_width),
+        HEAD_WIDTH,
         max_position_embeddings=args.context,
         pooling=pooling,
         prior_mean=args.lslm_prior,
         kl_weight=args.lslm_kl_weight,
         update_schedule=args.lslm_update_schedule,
     )
-    config.check_fields()
-    config._attn_implementation = "sdpa"
-    return config
 
 
 def train_token_rows() -> list[torch.Tensor]:

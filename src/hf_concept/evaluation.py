@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
 
+from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import byte_view
 from hf_concept.modeling.modeling_plain import default_position_ids
 from hf_concept.modeling.packing import document_starts
@@ -461,3 +462,26 @@ def byte_gpt2_baseline(
         **config_kwargs,
     )
     return GPT2LMHeadModel(config)
+
+
+def lslm_config_for(
+    layers: tuple[int, int, int], widths: tuple[int, int, int], head_width: int = 32, **fields
+) -> LSLMConfig:
+    """An LSLM of (token, segment, decoder) `layers` and `widths`, heads `head_width` wide and MLPs 4x
+    wide in every stage, other `fields` passed on; checked, with sdpa attention (the benchmarks' shape)."""
+    stages = {}
+    for prefix, width in zip(("token_", "", "decoder_"), widths, strict=True):
+        stages[f"{prefix}hidden_size"] = width
+        stages[f"{prefix}intermediate_size"] = 4 * width
+        stages[f"{prefix}num_attention_heads"] = max(1, width // head_width)
+    token_layers, segment_layers, decoder_layers = layers
+    config = LSLMConfig(
+        **stages,
+        token_encoder_layers=token_layers,
+        segment_encoder_layers=segment_layers,
+        decoder_layers=decoder_layers,
+        **fields,
+    )
+    config.check_fields()
+    config._attn_implementation = "sdpa"
+    return config

@@ -18,13 +18,13 @@ on a single prompt (batch 1). It never changes the model: training mode is resto
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hf_concept.utils import eval_mode
 
 HIDDEN_DECODING_MODEL_TYPE = "hidden_decoding"
 # Longest token text shown in a table cell before it is cut with "…".
@@ -134,16 +134,6 @@ def _prompt_ids(input_ids: torch.Tensor | None, text: str | None, tokenizer: Any
     return input_ids
 
 
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 def probe_streams(
     model: Any,
     input_ids: torch.Tensor | None = None,
@@ -161,7 +151,7 @@ def probe_streams(
     _check_model(model)
     input_ids = _prompt_ids(input_ids, text, tokenizer)
     device = model.lm_head.weight.device
-    with _eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         outputs = model(input_ids=input_ids.to(device), use_cache=False, output_stream_states=True)
         stream_states = getattr(outputs, "stream_states", None)
         if stream_states is None:

@@ -20,17 +20,18 @@ last one get empty pieces.
 
 from __future__ import annotations
 
-import contextlib
 import html
 import importlib.util
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hf_concept.utils import eval_mode
 
 HIDDEN_DECODING_MODEL_TYPE = "hidden_decoding"
 # Families whose forward decides token-level boundaries (what `hf-concept segment` can show).
@@ -222,16 +223,6 @@ def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
     return pieces
 
 
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 def forward_boundaries(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """(L,) bool openings of the one row in `input_ids` (1, L), from one eval-mode forward without a
     cache, and the causal-LM output. Raises NoSegmentationError for families without boundaries."""
@@ -248,7 +239,7 @@ def forward_boundaries(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple
     if isinstance(backbone, torch.nn.Module) and backbone is not model:
         hook = backbone.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        with _eval_mode(model), torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             outputs = model(input_ids=input_ids, use_cache=False)
     finally:
         if hook is not None:
