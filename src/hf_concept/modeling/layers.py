@@ -472,10 +472,27 @@ class DecoderLayer(GradientCheckpointingLayer):
         self, hidden_states: torch.Tensor, **attention_kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pre-norm residual body: attention (its keyword arguments passed through), then the MLP."""
-        attended, _ = self.self_attn(self.input_layernorm(hidden_states), **attention_kwargs)
-        hidden_states = hidden_states + attended
-        mixed = self.mlp(self.post_attention_layernorm(hidden_states))
-        router_logits = None
-        if isinstance(mixed, tuple):
-            mixed, router_logits = mixed
-        return hidden_states + mixed, router_logits
+        return residual_body(self, hidden_states, **attention_kwargs)
+
+
+def residual_body(
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    cross: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **attention_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pre-norm residual body every decoder layer shares: x + self_attn(norm x), then (DLCM's and
+    LSLM's decoders) x + cross(x), where `cross` applies its own norm, then x + mlp(norm x).
+
+    `layer` has `input_layernorm`, `self_attn`, `post_attention_layernorm` and `mlp`. Returns the states
+    and the router logits of a sparse MLP (None for a dense one).
+    """
+    attended, _ = layer.self_attn(layer.input_layernorm(hidden_states), **attention_kwargs)
+    hidden_states = hidden_states + attended
+    if cross is not None:
+        hidden_states = hidden_states + cross(hidden_states)
+    mixed = layer.mlp(layer.post_attention_layernorm(hidden_states))
+    router_logits = None
+    if isinstance(mixed, tuple):
+        mixed, router_logits = mixed
+    return hidden_states + mixed, router_logits

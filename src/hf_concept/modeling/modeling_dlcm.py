@@ -56,7 +56,7 @@ from .concept_stack import (
     new_concept_cache,
 )
 from .configuration_dlcm import DLCMConfig
-from .layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from .layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding, residual_body
 from .modeling_plain import init_backbone_weights
 from .packing import last_real_picker
 from .replication import (
@@ -179,19 +179,19 @@ class DLCMDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         # The concept K/V are positional so that gradient checkpointing treats them as inputs.
-        attended, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+        def cross(states: torch.Tensor) -> torch.Tensor:
+            normed = self.cross_attention_layernorm(states)
+            return self.cross_attn(normed, concept_keys, concept_values, reading)
+
+        return residual_body(
+            self,
+            hidden_states,
+            cross,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             **kwargs,
         )
-        hidden_states = hidden_states + attended
-        crossed = self.cross_attn(
-            self.cross_attention_layernorm(hidden_states), concept_keys, concept_values, reading
-        )
-        hidden_states = hidden_states + crossed
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), None
 
 
 class DLCMPreTrainedModel(PreTrainedModel):

@@ -57,7 +57,7 @@ from .chunking import concept_attention_mask
 from .concept_stack import ConfigView
 from .configuration_lslm import LSLMConfig
 from .forward_only_cache import adopt_cache
-from .layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, residual_body
 from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
 from .pooling import chunk_index, pool_concepts, pool_open_chunk
@@ -141,18 +141,18 @@ class SegmentDecoderLayer(DecoderLayer):
         past_key_values=None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        attended, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+        def cross(states: torch.Tensor) -> torch.Tensor:
+            normed = self.cross_attention_layernorm(states)
+            return self.cross_attn(normed, cross_keys, cross_values, cross_allowed)
+
+        return residual_body(
+            self,
+            hidden_states,
+            cross,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
         )
-        hidden_states = hidden_states + attended
-        crossed = self.cross_attn(
-            self.cross_attention_layernorm(hidden_states), cross_keys, cross_values, cross_allowed
-        )
-        hidden_states = hidden_states + crossed
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), None
 
 
 @dataclass
@@ -484,7 +484,7 @@ class LSLMModel(LSLMPreTrainedModel):
     def fill_cache(self, cache: SegmentCache, view: ByteView, token_states, segmentation, segments) -> None:
         """Complete `cache` after a parallel pass over one document per row (its token-encoder K/V and
         segment-encoder K/V were stored during the pass): cross K/V, the open segment, decoder K/V."""
-        closed = closed_segments(segmentation, view)
+        closed = cache.segment_store.lengths  # the closed-segment count, set before the pass
         count = (segmentation.index.max(dim=1).values + 1).clamp(min=0)
         cache.token_valid, cache.byte_counts = view.mask, view.mask.sum(dim=1)
         table = torch.cat(
