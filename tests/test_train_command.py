@@ -42,10 +42,13 @@ def _paragraphs(seed: int, count: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
+    return make_workspace(tmp_path_factory.mktemp("train"))
+
+
+def make_workspace(root: Path) -> Path:
     """A word-level tokenizer (ids 0/1/2 = pad/bos/eos, below the tiny configs' vocab of 97) and data."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-    root = tmp_path_factory.mktemp("train")
     tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False)
@@ -134,7 +137,7 @@ def test_config_from_scratch_logs_the_concept_metrics_and_saves_a_loadable_model
     status, _, stderr, _ = _train(
         capsys, config_file, "--data", workspace / "corpus.txt", "--output-dir", out
     )
-    assert status == 2 and "already holds a model" in stderr
+    assert status == 2 and "is not empty (it holds a model" in stderr and "--resume" in stderr
     assert (out / "model.safetensors").read_bytes() == before
     status, _, stderr, run = _train(
         capsys, config_file, "--data", workspace / "corpus.txt", "--output-dir", out, "--max-steps", "1",

@@ -5,7 +5,9 @@ formats, packing, LoRA targets, μP, LSLM's schedule, the output layout). The sa
 `torchrun --nproc_per_node N -m hf_concept.cli train ...` and `accelerate launch -m hf_concept.cli train
 ...`: Trainer reads the launcher's environment. An input problem found before training starts (missing data
 file, unknown text field or model type, a tokenizer that does not fit the model) prints one line to stderr
-and exits with status 2; the summary table is printed by the main process only.
+and exits with status 2; the summary table is printed by the main process only. A run that diverges
+(non-finite loss, gradient norm or weight) prints one line naming the step and exits with status 1, having
+saved nothing non-finite.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def _max_steps(text: str) -> int:
+    value = int(text)
+    if value < 1 and value != -1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a positive number of optimizer steps, or -1 to train for --num-train-epochs"
+        )
     return value
 
 
@@ -65,6 +76,13 @@ def _add_data_flags(parser: argparse.ArgumentParser) -> None:
         help="Longest training sequence (default: 512, or the model's max_position_embeddings if smaller).",
     )
     parser.add_argument("--no-packing", action="store_true", help="Pad batches instead of packing them.")
+    parser.add_argument(
+        "--encoding-errors",
+        choices=("strict", "replace"),
+        default="strict",
+        help="Bytes of a data file that are not UTF-8: an error naming file and offset (default), or "
+        "read as U+FFFD (replace).",
+    )
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +100,24 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", type=Path, required=True)
-    parser.add_argument("--overwrite-output-dir", action="store_true", help="Replace a model already there.")
-    parser.add_argument("--max-steps", type=int, default=-1, help="Optimizer steps (overrides epochs).")
+    parser.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="Start again from step 0 in a non-empty --output-dir (its earlier checkpoints are removed).",
+    )
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue from the newest complete checkpoint in --output-dir/checkpoints (incomplete ones, "
+        "e.g. from a run killed while saving, are skipped with a warning).",
+    )
+    resume.add_argument(
+        "--resume-from", type=Path, default=None, metavar="PATH", help="Continue from this checkpoint."
+    )
+    parser.add_argument(
+        "--max-steps", type=_max_steps, default=-1, help="Optimizer steps (overrides epochs; -1: use epochs)."
+    )
     parser.add_argument("--num-train-epochs", type=float, default=1.0)
     parser.add_argument("--per-device-train-batch-size", type=_positive_int, default=8)
     parser.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1)
@@ -108,7 +142,8 @@ def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_concept.training.recipes import TrainSetupError, train
+    from hf_concept.training.errors import TrainingDivergedError, TrainSetupError
+    from hf_concept.training.recipes import train
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("hf-concept train: %(message)s"))
@@ -150,10 +185,16 @@ def run(args: argparse.Namespace) -> int:
             overwrite_output_dir=args.overwrite_output_dir,
             base_model=args.base_model,
             use_cpu=args.use_cpu,
+            resume=args.resume,
+            resume_from=args.resume_from,
+            encoding_errors=args.encoding_errors,
         )
     except TrainSetupError as error:
         print(f"hf-concept train: error: {error}", file=sys.stderr)
         return 2
+    except TrainingDivergedError as error:
+        print(f"hf-concept train: error: {error}", file=sys.stderr)
+        return 1
     finally:
         logger.removeHandler(handler)
     if result.is_main_process:

@@ -1,7 +1,9 @@
 """Training helpers: Trainer integration, optimizer factories, schedules."""
 
+from hf_concept.training.checkpoints import checkpoint_problems, latest_checkpoint
+from hf_concept.training.errors import TrainingDivergedError, TrainSetupError
 from hf_concept.training.mup import MUP_GROUPS, mup_optimizer, mup_param_groups
-from hf_concept.training.recipes import TrainResult, TrainSetupError, train
+from hf_concept.training.recipes import TrainResult, train
 from hf_concept.training.trainer import METRIC_FIELDS, ConceptTrainer
 
 __all__ = [
@@ -10,6 +12,9 @@ __all__ = [
     "ConceptTrainer",
     "TrainResult",
     "TrainSetupError",
+    "TrainingDivergedError",
+    "checkpoint_problems",
+    "latest_checkpoint",
     "mup_optimizer",
     "mup_param_groups",
     "train",

@@ -28,30 +28,30 @@ Choices (the README's "Training" section states them for users):
   `mup_*_learning_rate` fields are.
 - LSLM: `InterleavedUpdates` with the config's `update_schedule`. Its loss is a per-batch mean that
   ignores `num_items_in_batch`, so Trainer is told to divide it by the accumulation steps itself.
-- Output: Trainer checkpoints go to `output_dir/checkpoints`; the final model is written into a staging
+- Output: Trainer checkpoints go to `output_dir/checkpoints`, each written under a hidden staging name and
+  renamed once complete (`hf_concept.training.checkpoints`); the final model is written into a staging
   folder inside `output_dir` and moved into place with config.json last, so an interrupted save never
-  leaves a folder that looks like a complete checkpoint. A folder that already holds a model is refused
-  unless `overwrite_output_dir`.
+  leaves a folder that looks like a complete checkpoint. A non-empty `output_dir` is refused unless the
+  run resumes (`resume`: the newest complete checkpoint; `resume_from`: a given one) or replaces it
+  (`overwrite_output_dir`, which removes the earlier checkpoints once the setup has passed).
+- Divergence: the first non-finite loss, gradient norm or weight stops the run with `TrainingDivergedError`;
+  no checkpoint or final model with non-finite weights is written.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import logging
 import math
 import os
-import random
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (
-    DataCollatorWithFlattening,
     PretrainedConfig,
     PreTrainedModel,
     TrainerCallback,
@@ -59,6 +59,20 @@ from transformers import (
     set_seed,
 )
 
+from hf_concept.training.checkpoints import (
+    SafeCheckpointsMixin,
+    checkpoint_problems,
+    latest_checkpoint,
+    remove_stale_staging,
+)
+from hf_concept.training.data import (
+    data_collator,
+    read_documents,
+    split_documents,
+    tokenize_documents,
+)
+from hf_concept.training.errors import TrainSetupError
+from hf_concept.training.output import TrainResult, finish
 from hf_concept.training.trainer import ConceptTrainer
 
 logger = logging.getLogger("hf_concept.train")
@@ -71,9 +85,6 @@ FAMILIES = {
     "hidden_decoding": ("hidden_decoding", "HiddenDecodingConfig", "HiddenDecodingForCausalLM"),
     "lslm": ("lslm", "LSLMConfig", "LSLMForCausalLM"),
 }
-TEXT_SUFFIXES = (".txt", ".text", ".md")
-JSON_SUFFIXES = (".json", ".jsonl")
-TXT_DOCUMENTS = ("paragraph", "file")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # Attention projections of every family: self-attention, DLCM/LSLM cross-attention, ConceptMoE joint
 # decoding (`concept_*_proj`). Matched against full module names (PEFT uses re.fullmatch for a string).
@@ -84,46 +95,9 @@ LORA_ATTENTION = (
 LORA_ROUTERS = {"conceptmoe": "chunker", "dlcm": "chunker", "lslm": "router"}
 DEFAULT_LEARNING_RATE = 3e-4
 DEFAULT_BLOCK_SIZE = 512
-STAGING_NAME = ".final-staging"
-
-
-class TrainSetupError(ValueError):
-    """A user input problem found before training starts (the CLI prints it as one line, exit status 2)."""
-
-
-@dataclass
-class TrainResult:
-    """What `train` returns: the trained (merged) model in memory, its tokenizer and the figures."""
-
-    output_dir: Path
-    model: PreTrainedModel
-    tokenizer: Any
-    log_history: list[dict[str, Any]]
-    global_step: int
-    train_loss: float | None
-    eval_loss: float | None
-    compression: float | None
-    is_main_process: bool = True
-    card_path: Path | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def summary_table(self) -> str:
-        """The end-of-run table: final training loss, eval loss, realised compression, steps, output."""
-
-        def figure(value: float | None) -> str:
-            return "n/a" if value is None else f"{value:.4f}"
-
-        rows = [
-            ("final train loss", figure(self.train_loss)),
-            ("eval loss", figure(self.eval_loss)),
-            ("compression (tokens per concept)", figure(self.compression)),
-            ("optimizer steps", str(self.global_step)),
-            ("saved to", str(self.output_dir)),
-        ]
-        width = max(len(name) for name, _ in rows)
-        lines = [f"{'metric'.ljust(width)} | value", f"{'-' * width}-|-{'-' * 12}"]
-        lines += [f"{name.ljust(width)} | {value}" for name, value in rows]
-        return "\n".join(lines)
+CHECKPOINTS_NAME = "checkpoints"
+# Above this, a learning rate (AdamW's, or μP's base rate) earns a warning.
+LARGE_LEARNING_RATE = 0.1
 
 
 def _is_main_rank() -> bool:
@@ -238,181 +212,6 @@ def _check_vocabulary(model: PreTrainedModel, tokenizer: Any) -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------- data
-
-
-def _paragraphs(text: str) -> list[str]:
-    blocks, current = [], []
-    for line in text.splitlines():
-        if line.strip():
-            current.append(line)
-        elif current:
-            blocks.append("\n".join(current))
-            current = []
-    if current:
-        blocks.append("\n".join(current))
-    return blocks
-
-
-def _json_records(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError:
-            values = None  # JSON lines saved as .json (what `datasets`' to_json writes)
-        if isinstance(values, list):
-            return values
-        if isinstance(values, dict):
-            return [values]
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise TrainSetupError(f"{path} line {number} is not valid JSON: {error}") from None
-    return records
-
-
-def _record_texts(records: list[Any], text_field: str, path: Path) -> list[str]:
-    """The `text_field` of every record; a columnar record ({"text": [...]}) gives its whole list."""
-    texts = []
-    for index, record in enumerate(records):
-        if not isinstance(record, dict) or text_field not in record:
-            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise TrainSetupError(
-                f"text field {text_field!r} is missing from record {index} of {path} (fields: {fields}); "
-                "choose another with --text-field"
-            )
-        value = record[text_field]
-        values = value if isinstance(value, list) else [value]
-        if not all(isinstance(item, str) for item in values):
-            raise TrainSetupError(f"text field {text_field!r} of record {index} of {path} is not text")
-        texts.extend(values)
-    return texts
-
-
-def _dataset_texts(path: Path, text_field: str) -> list[str]:
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except FileNotFoundError:
-        raise TrainSetupError(
-            f"data folder {str(path)!r} is not a dataset saved with datasets' save_to_disk"
-        ) from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise TrainSetupError(f"dataset {path} has splits {sorted(loaded)} but no 'train' split")
-        loaded = loaded["train"]
-    if text_field not in loaded.column_names:
-        raise TrainSetupError(
-            f"text field {text_field!r} is not a column of dataset {path} (columns: {loaded.column_names}); "
-            "choose another with --text-field"
-        )
-    return [text for text in loaded[text_field] if isinstance(text, str)]
-
-
-def read_documents(
-    paths: str | Path | Sequence[str | Path], text_field: str = "text", txt_documents: str = "paragraph"
-) -> list[str]:
-    """The non-empty documents of every data file or dataset folder in `paths` (rules: module docstring)."""
-    if txt_documents not in TXT_DOCUMENTS:
-        raise TrainSetupError(f"txt_documents={txt_documents!r} must be one of {TXT_DOCUMENTS}")
-    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    if not paths:
-        raise TrainSetupError("no data files given")
-    documents: list[str] = []
-    for path in map(Path, paths):
-        if not path.exists():
-            raise TrainSetupError(f"data file {str(path)!r} does not exist")
-        if path.is_dir():
-            documents += _dataset_texts(path, text_field)
-        elif path.suffix in TEXT_SUFFIXES:
-            text = path.read_text(encoding="utf-8")
-            documents += _paragraphs(text) if txt_documents == "paragraph" else [text]
-        elif path.suffix in JSON_SUFFIXES:
-            documents += _record_texts(_json_records(path), text_field, path)
-        else:
-            raise TrainSetupError(
-                f"data file {str(path)!r} has an unsupported suffix {path.suffix!r}: use "
-                f"{', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)} or a datasets folder (save_to_disk)"
-            )
-    documents = [document for document in documents if document.strip()]
-    if not documents:
-        raise TrainSetupError(f"the data files {[str(path) for path in paths]} hold no text")
-    return documents
-
-
-def split_documents(documents: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, eval): a seeded random `fraction` of the documents (at least one) held out for evaluation."""
-    if not (isinstance(fraction, float | int) and 0 < fraction < 1):
-        raise TrainSetupError(f"eval_split_fraction={fraction!r} must be in (0, 1)")
-    if len(documents) < 2:
-        raise TrainSetupError(
-            f"eval_split_fraction needs at least 2 documents, the data has {len(documents)}"
-        )
-    order = list(range(len(documents)))
-    random.Random(seed).shuffle(order)
-    held = min(len(documents) - 1, max(1, round(fraction * len(documents))))
-    held_out = set(order[:held])
-    train = [document for index, document in enumerate(documents) if index not in held_out]
-    return train, [documents[index] for index in sorted(held_out)]
-
-
-def tokenize_documents(documents: list[str], tokenizer: Any, block_size: int) -> list[dict[str, list[int]]]:
-    """One {"input_ids": ...} sequence per piece of at most `block_size` tokens of each document."""
-    if not (isinstance(block_size, int) and block_size >= 2):
-        raise TrainSetupError(f"block_size={block_size!r} must be an integer >= 2")
-    eos = tokenizer.eos_token_id
-    sequences = []
-    for start in range(0, len(documents), 256):
-        for ids in tokenizer(documents[start : start + 256])["input_ids"]:
-            if eos is not None and (not ids or ids[-1] != eos):
-                ids = [*ids, eos]
-            for offset in range(0, len(ids), block_size):
-                piece = ids[offset : offset + block_size]
-                # A one-token piece has nothing to predict.
-                if len(piece) >= 2:
-                    sequences.append({"input_ids": piece})
-    return sequences
-
-
-@dataclass
-class PaddingCollator:
-    """Pads a batch of {"input_ids"} sequences (the `packing=False` path): pads are masked and unlabeled."""
-
-    pad_token_id: int
-    padding_side: str = "right"
-
-    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        longest = max(len(feature["input_ids"]) for feature in features)
-        rows, masks, labels = [], [], []
-        for feature in features:
-            ids = list(feature["input_ids"])
-            fill = longest - len(ids)
-            pad, real = [self.pad_token_id] * fill, [1] * len(ids)
-            left = self.padding_side == "left"
-            rows.append(pad + ids if left else ids + pad)
-            masks.append([0] * fill + real if left else real + [0] * fill)
-            labels.append([-100] * fill + ids if left else ids + [-100] * fill)
-        return {
-            "input_ids": torch.tensor(rows, dtype=torch.long),
-            "attention_mask": torch.tensor(masks, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long),
-        }
-
-
-def data_collator(tokenizer: Any, packing: bool) -> Any:
-    if packing:
-        return DataCollatorWithFlattening()
-    pad = tokenizer.pad_token_id
-    if pad is None:
-        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return PaddingCollator(pad_token_id=pad, padding_side=getattr(tokenizer, "padding_side", "right"))
-
-
 # ------------------------------------------------------------------------------- LoRA, μP, callbacks
 
 
@@ -444,8 +243,9 @@ def apply_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.
         raise TrainSetupError(f"LoRA for model_type={model.config.model_type!r}: {error}") from None
 
 
-class RecipeTrainer(ConceptTrainer):
-    """`ConceptTrainer` that builds DLCM's μP optimizer when asked (after wrapping, as Trainer's own is)."""
+class RecipeTrainer(SafeCheckpointsMixin, ConceptTrainer):
+    """`ConceptTrainer` with atomic checkpoints and a stop at divergence (`SafeCheckpointsMixin`) that
+    builds DLCM's μP optimizer when asked (after wrapping, as Trainer's own is)."""
 
     def __init__(self, *args: Any, mup_learning_rate: float | None = None, mup: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -500,16 +300,64 @@ def resolve_callbacks(specs: Sequence[str | TrainerCallback | type]) -> list[Any
 # --------------------------------------------------------------------------------------------- train
 
 
-def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
-    """`output_dir` as a Path; refused when it is a file, or already holds a model without `overwrite`."""
+def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool = False) -> Path:
+    """`output_dir` as a Path. Refused when it is a file, or when it is not empty and the run neither
+    resumes (`resume`/`resume_from`) nor replaces it (`overwrite`): training into a killed run's folder
+    from step 0 would mix its checkpoints with the new run's."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise TrainSetupError(f"output_dir={str(out)!r} exists and is not a folder")
-    if (out / "config.json").exists() and not overwrite:
+    if resuming and overwrite:
+        raise TrainSetupError("--overwrite-output-dir starts again at step 0: it cannot go with --resume")
+    if out.is_dir() and any(out.iterdir()) and not (overwrite or resuming):
+        held = "a model (config.json)" if (out / "config.json").exists() else "files of an earlier run"
         raise TrainSetupError(
-            f"output_dir={str(out)!r} already holds a model (config.json); pass --overwrite-output-dir"
+            f"output_dir={str(out)!r} is not empty (it holds {held}): pass --resume to continue from its "
+            "latest complete checkpoint, --resume-from PATH for a given one, or --overwrite-output-dir to "
+            "start again from step 0"
         )
     return out
+
+
+def resolve_resume(out: Path, resume: bool, resume_from: str | Path | None) -> Path | None:
+    """The checkpoint a run continues from: `resume_from` (refused unless complete), or with `resume` the
+    newest complete one under `out/checkpoints` (None, with a warning, when there is none)."""
+    if resume and resume_from is not None:
+        raise TrainSetupError("give --resume or --resume-from PATH, not both")
+    if resume_from is not None:
+        problems = checkpoint_problems(resume_from)
+        if problems:
+            raise TrainSetupError(
+                f"resume_from={str(resume_from)!r} is not a complete checkpoint: {'; '.join(problems)}"
+            )
+        return Path(resume_from)
+    if not resume:
+        return None
+    checkpoint = latest_checkpoint(out / CHECKPOINTS_NAME)
+    if checkpoint is None:
+        logger.warning(f"--resume: {out / CHECKPOINTS_NAME} holds no complete checkpoint; starting at step 0")
+    else:
+        _info(f"resuming from {checkpoint}")
+    return checkpoint
+
+
+def check_schedule(learning_rate: float | None, max_steps: int) -> None:
+    """Refuse a learning rate that cannot train and a step count that means nothing; warn on a rate so
+    large that training will likely diverge."""
+    if learning_rate is not None:
+        is_number = isinstance(learning_rate, int | float) and math.isfinite(learning_rate)
+        if not (is_number and learning_rate > 0):
+            raise TrainSetupError(f"learning_rate={learning_rate!r} must be a positive finite number")
+        if learning_rate > LARGE_LEARNING_RATE:
+            logger.warning(
+                f"learning_rate={learning_rate:g} is very large (above {LARGE_LEARNING_RATE:g}): training "
+                "will likely diverge (it stops at the first non-finite loss)"
+            )
+    if not (isinstance(max_steps, int) and (max_steps >= 1 or max_steps == -1)):
+        raise TrainSetupError(
+            f"max_steps={max_steps!r} must be a positive number of optimizer steps, or -1 to train for "
+            "num_train_epochs"
+        )
 
 
 def prepare_datasets(
@@ -522,14 +370,15 @@ def prepare_datasets(
     txt_documents: str = "paragraph",
     block_size: int = 512,
     seed: int = 0,
+    encoding_errors: str = "strict",
 ) -> tuple[list[dict[str, list[int]]], list[dict[str, list[int]]] | None]:
     """(train sequences, eval sequences or None) from the data files (rules: module docstring)."""
     if eval_data and eval_split_fraction:
         raise TrainSetupError("give eval_data or eval_split_fraction, not both")
-    documents = read_documents(data, text_field, txt_documents)
+    documents = read_documents(data, text_field, txt_documents, encoding_errors)
     eval_documents = None
     if eval_data:
-        eval_documents = read_documents(eval_data, text_field, txt_documents)
+        eval_documents = read_documents(eval_data, text_field, txt_documents, encoding_errors)
     elif eval_split_fraction:
         documents, eval_documents = split_documents(documents, eval_split_fraction, seed)
     train_set = tokenize_documents(documents, tokenizer, block_size)
@@ -612,14 +461,22 @@ def train(
     base_model: str | None = None,
     use_cpu: bool = False,
     disable_tqdm: bool | None = None,
+    resume: bool = False,
+    resume_from: str | Path | None = None,
+    encoding_errors: str = "strict",
 ) -> TrainResult:
     """Train `model_or_path` on `data` and save the result to `output_dir` (choices: module docstring).
 
     `mup=None` uses DLCM's μP groups exactly when the config sets `mup_base_width`. `learning_rate=None`
     means 3e-4, or the config's μP base rates. `callbacks` are TrainerCallbacks (objects, classes or
-    "module:Class"). Raises `TrainSetupError` for input problems found before training starts.
+    "module:Class"). `resume` continues from the newest complete checkpoint under
+    `output_dir/checkpoints`, `resume_from` from the given one. Raises `TrainSetupError` for input
+    problems found before training starts, and `TrainingDivergedError` when the loss, a gradient norm or a
+    weight stops being finite (nothing non-finite is saved).
     """
-    out = check_output_dir(output_dir, overwrite_output_dir)
+    check_schedule(learning_rate, max_steps)
+    out = check_output_dir(output_dir, overwrite_output_dir, resuming=resume or resume_from is not None)
+    checkpoint = resolve_resume(out, resume, resume_from)
     model = load_model(model_or_path, seed)
     tokenizer = load_tokenizer(model, model_or_path, tokenizer)
     _check_vocabulary(model, tokenizer)
@@ -633,6 +490,7 @@ def train(
         txt_documents=txt_documents,
         block_size=block_size,
         seed=seed,
+        encoding_errors=encoding_errors,
     )
     use_mup = _use_mup(model, mup)
     callback_objects = resolve_callbacks(callbacks)
@@ -640,7 +498,7 @@ def train(
         set_seed(seed)
         model = apply_lora(model, lora_r, lora_alpha, lora_dropout)
     args = training_arguments(
-        out / "checkpoints",
+        out / CHECKPOINTS_NAME,
         has_eval=eval_set is not None,
         use_cpu=use_cpu or _no_accelerator(),
         max_steps=max_steps,
@@ -662,7 +520,8 @@ def train(
     trainer = build_trainer(
         model, tokenizer, args, train_set, eval_set, packing, callback_objects, use_mup, learning_rate
     )
-    trainer.train()
+    _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=overwrite_output_dir)
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     eval_metrics = trainer.evaluate() if eval_set is not None else {}
     details = {
         "data": [str(path) for path in ([data] if isinstance(data, (str, Path)) else data)],
@@ -709,6 +568,19 @@ def build_trainer(
     return trainer
 
 
+def _clear_checkpoint_folder(trainer: ConceptTrainer, folder: Path, everything: bool) -> None:
+    """Before training: remove an earlier run's checkpoints (`everything`, i.e. --overwrite-output-dir) or
+    only the staging folders a killed run left half-written. Done once the whole setup has passed."""
+    if trainer.is_world_process_zero():
+        if everything and folder.exists():
+            _info(f"--overwrite-output-dir: removing the earlier run's checkpoints in {folder}")
+            shutil.rmtree(folder)
+            # Trainer made the folder when it was built, and writes its state there at the end.
+            folder.mkdir(parents=True)
+        remove_stale_staging(folder)
+    trainer.accelerator.wait_for_everyone()
+
+
 def _no_accelerator() -> bool:
     """No GPU (CUDA, XPU, MPS) here: Trainer must be told to use the CPU, or bf16 and accelerate's
     gloo/CPU data parallelism are refused (several processes would then each train alone)."""
@@ -724,117 +596,3 @@ def _base_model_name(source: Any) -> str | None:
     if is_folder and any((Path(source) / name).is_file() for name in WEIGHT_FILES):
         return str(source)
     return None
-
-
-def _last_logged(log_history: list[dict[str, Any]], key: str) -> float | None:
-    for entry in reversed(log_history):
-        if key in entry:
-            return float(entry[key])
-    return None
-
-
-def publish(staging: Path, out: Path) -> None:
-    """Move the complete model in `staging` into `out`, config.json last.
-
-    An older model's config.json goes first, so from the first move to the last `out` holds no
-    config.json: a folder with one is always a complete model. Older weight shards and indexes are
-    removed, so a stale index cannot point at shards of another model.
-    """
-    (out / "config.json").unlink(missing_ok=True)
-    for old in out.glob("model*.safetensors*"):
-        old.unlink()
-    for entry in sorted(staging.iterdir(), key=lambda item: item.name == "config.json"):
-        target = out / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.replace(entry, target)
-    staging.rmdir()
-
-
-def _write_card(staging: Path, out: Path, base_model: str | None, **figures: Any) -> Path | None:
-    """The model card in `staging`, its load snippet naming `out` (where the model will be)."""
-    try:
-        from hf_concept.model_card import write_model_card
-    except ImportError as error:
-        logger.warning(f"model card skipped: hf_concept.model_card is not available ({error})")
-        return None
-    extra = {}
-    if "name_or_path" in inspect.signature(write_model_card).parameters:
-        extra["name_or_path"] = str(out)
-    write_model_card(staging, base_model=base_model, **figures, **extra)
-    return out / "README.md"
-
-
-def _save_final(trainer: ConceptTrainer, model: PreTrainedModel, staging: Path, merged: bool) -> None:
-    """Write model + tokenizer to `staging`. Every rank calls this (FSDP/DeepSpeed gather the weights)."""
-    if trainer.is_world_process_zero():
-        shutil.rmtree(staging, ignore_errors=True)
-    trainer.accelerator.wait_for_everyone()
-    if merged:
-        if trainer.is_world_process_zero():
-            model.save_pretrained(staging)
-            trainer.processing_class.save_pretrained(staging)
-    else:
-        trainer.save_model(str(staging))
-    if trainer.is_world_process_zero():
-        # Trainer pickles its arguments next to the weights; a shared checkpoint should not carry a pickle.
-        (staging / "training_args.bin").unlink(missing_ok=True)
-
-
-def finish(
-    trainer: ConceptTrainer,
-    out: Path,
-    eval_metrics: dict[str, float],
-    details: dict[str, Any],
-    base_model: str | None,
-) -> TrainResult:
-    """Save the trained model (merged if LoRA) with tokenizer and card into `out`; gather the figures."""
-    state, args = trainer.state, trainer.args
-    trainer.save_state()
-    model = trainer.model
-    merged = hasattr(model, "merge_and_unload")
-    if merged:
-        model = model.merge_and_unload()
-    compression = eval_metrics.get(
-        "eval_compression_ratio", _last_logged(state.log_history, "compression_ratio")
-    )
-    result = TrainResult(
-        output_dir=out,
-        model=model,
-        tokenizer=trainer.processing_class,
-        log_history=list(state.log_history),
-        global_step=state.global_step,
-        # The last logged loss; without any log in the run, the run's mean ("train_loss").
-        train_loss=_last_logged(state.log_history, "loss") or _last_logged(state.log_history, "train_loss"),
-        eval_loss=eval_metrics.get("eval_loss"),
-        compression=compression,
-        is_main_process=trainer.is_world_process_zero(),
-        metrics=dict(eval_metrics),
-    )
-    training = {
-        **details,
-        "steps": state.global_step,
-        "epochs": round(float(state.epoch or 0.0), 4),
-        "learning_rate": args.learning_rate,
-        "per_device_train_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "world_size": args.world_size,
-        "seed": args.seed,
-        "final_train_loss": result.train_loss,
-    }
-    evaluation = {key: float(value) for key, value in eval_metrics.items() if key == "eval_loss"}
-    if result.eval_loss is not None:
-        evaluation["eval_perplexity"] = math.exp(min(result.eval_loss, 50.0))
-    staging = out / STAGING_NAME
-    _save_final(trainer, model, staging, merged)
-    if result.is_main_process:
-        try:
-            result.card_path = _write_card(
-                staging, out, base_model, training=training, evaluation=evaluation, compression=compression
-            )
-            publish(staging, out)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    trainer.accelerator.wait_for_everyone()
-    return result

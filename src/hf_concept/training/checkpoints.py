@@ -1,0 +1,200 @@
+"""Trainer checkpoints that survive a kill, runs that stop when they diverge, and resuming.
+
+- A checkpoint is *complete* when it holds weights (full or a LoRA adapter; every shard an index names,
+  each safetensors file as long as its header says), `optimizer.pt`, `scheduler.pt` and a
+  `trainer_state.json` that parses. `checkpoint_problems` says what is missing; `latest_checkpoint` picks
+  the newest complete one and warns about each incomplete one it skips.
+- `SafeCheckpointsMixin` writes each checkpoint under a hidden staging folder and renames it into place
+  once every file is written, so a kill never leaves a `checkpoint-N` that looks complete and is not. It
+  refuses to save non-finite weights, and stops training at the first non-finite loss or gradient norm
+  with `TrainingDivergedError` naming the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_concept.training.errors import TrainingDivergedError
+
+logger = logging.getLogger("hf_concept.train")
+
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+STAGING_PREFIX = ".staging-"
+TRAINING_STATE_FILES = ("optimizer.pt", "scheduler.pt", "trainer_state.json")
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
+WEIGHT_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (None when it is): its size must be the 8-byte header
+    length, the JSON header, and the data its offsets reach — a file cut short by a kill fails this."""
+    try:
+        with path.open("rb") as handle:
+            (header_length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_length))
+    except (OSError, struct.error, ValueError) as error:
+        return f"{path.name} is unreadable ({type(error).__name__})"
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    expected = 8 + header_length + max(ends, default=0)
+    size = path.stat().st_size
+    return None if size == expected else f"{path.name} has {size} bytes, its header needs {expected}"
+
+
+def _weight_problems(folder: Path) -> list[str]:
+    index = folder / WEIGHT_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError):
+            return [f"{WEIGHT_INDEX} is not a valid index"]
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            return [f"shards {missing} named by {WEIGHT_INDEX} are missing"]
+        files = [folder / name for name in shards]
+    else:
+        files = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+        if not files:
+            return [f"no weights ({' or '.join(WEIGHT_FILES)} or {WEIGHT_INDEX})"]
+    return [problem for problem in map(safetensors_problem, files) if problem]
+
+
+def checkpoint_problems(folder: str | Path) -> list[str]:
+    """What keeps `folder` from being a complete Trainer checkpoint; empty when it is one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return [f"{folder} is not a folder"]
+    problems = _weight_problems(folder)
+    for name in TRAINING_STATE_FILES:
+        path = folder / name
+        if not path.is_file() or path.stat().st_size == 0:
+            problems.append(f"{name} is missing")
+    state = folder / "trainer_state.json"
+    if state.is_file() and state.stat().st_size:
+        try:
+            json.loads(state.read_text())["global_step"]
+        except (ValueError, KeyError, TypeError):
+            problems.append("trainer_state.json is not a valid trainer state")
+    return problems
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The complete `checkpoint-N` with the highest N in `folder` (None if there is none); every
+    incomplete one that is newer is skipped with a warning naming what it lacks."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found = [(int(match[1]), path) for path in folder.iterdir() if (match := CHECKPOINT.match(path.name))]
+    for _, path in sorted(found, reverse=True):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return path
+        logger.warning(f"skipping incomplete checkpoint {path}: {'; '.join(problems)}")
+    return None
+
+
+def remove_stale_staging(folder: str | Path) -> None:
+    """Remove the staging folders a killed run left in its checkpoint folder (only this run writes there)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.name.startswith(STAGING_PREFIX) and path.is_dir():
+            logger.warning(f"removing {path}, a checkpoint that an interrupted run did not finish writing")
+            shutil.rmtree(path)
+
+
+def non_finite_parameters(model: torch.nn.Module, limit: int = 3) -> list[str]:
+    """Names of (at most `limit`) parameters holding NaN or inf."""
+    names = []
+    for name, parameter in model.named_parameters():
+        if not bool(torch.isfinite(parameter.detach()).all()):
+            names.append(name)
+            if len(names) == limit:
+                break
+    return names
+
+
+class SafeCheckpointsMixin:
+    """Trainer mixin: atomic checkpoints, and a stop at the first non-finite loss, gradient norm or weight.
+
+    Relies on three hooks of transformers 5.23's `Trainer`: `training_step` (a micro-batch's loss),
+    `_get_grad_norm` (called before every optimizer step) and `_save_checkpoint`/`_get_output_dir`.
+    """
+
+    _checkpoint_staging: str | None = None
+
+    def _diverged(self, what: str, after_step: bool = False) -> TrainingDivergedError:
+        """The error for `what`, seen during the coming optimizer step or, `after_step`, after the last."""
+        step = self.state.global_step + (0 if after_step else 1)
+        rate = self.args.learning_rate
+        return TrainingDivergedError(
+            f"training diverged at optimizer step {step}: {what}. The likely cause is the learning rate "
+            f"({rate:g}): lower --learning-rate (or add --warmup-steps). Nothing non-finite was saved."
+        )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # With several processes a rank's own loss is not checked: ranks must stop at the same point, and
+        # a non-finite loss on any rank makes the synchronised gradient norm non-finite on all of them.
+        if self.accelerator.num_processes == 1:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise self._diverged(f"the training loss is {value}")
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        value = float(grad_norm) if grad_norm is not None else 0.0
+        if not math.isfinite(value):
+            raise self._diverged(f"the gradient norm is {value}")
+        return grad_norm
+
+    def check_finite_weights(self, model: torch.nn.Module) -> None:
+        """Raise `TrainingDivergedError` when a parameter of `model` holds NaN or inf."""
+        bad = non_finite_parameters(model)
+        count = len(bad)
+        if self.accelerator.num_processes > 1:
+            # Sharded weights (FSDP) differ per rank: every rank must take the same decision.
+            flag = torch.tensor(count, device=self.args.device)
+            count = int(self.accelerator.reduce(flag, reduction="sum"))
+        if count:
+            named = bad or "on another process"
+            raise self._diverged(f"parameters {named} hold NaN or inf", after_step=True)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._checkpoint_staging is not None:
+            return self._checkpoint_staging
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.check_finite_weights(model)
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"checkpoint-{self.state.global_step}"
+        staging = run_dir / f"{STAGING_PREFIX}{name}"
+        if self.is_world_process_zero():
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._checkpoint_staging = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._checkpoint_staging = None
+        self.accelerator.wait_for_everyone()
+        if self.is_world_process_zero():
+            final = run_dir / name
+            # A checkpoint of the same step can only be a leftover of an interrupted run: replace it.
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging / name, final)
+            staging.rmdir()
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,177 @@
+"""The end of a `train` run: gather the figures, save the (merged) model with its tokenizer and model card
+into the output folder atomically (staging folder, then moved into place with config.json last)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from hf_concept.training.recipes import RecipeTrainer
+
+logger = logging.getLogger("hf_concept.train")
+
+STAGING_NAME = ".final-staging"
+
+
+@dataclass
+class TrainResult:
+    """What `train` returns: the trained (merged) model in memory, its tokenizer and the figures."""
+
+    output_dir: Path
+    model: PreTrainedModel
+    tokenizer: Any
+    log_history: list[dict[str, Any]]
+    global_step: int
+    train_loss: float | None
+    eval_loss: float | None
+    compression: float | None
+    is_main_process: bool = True
+    card_path: Path | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def summary_table(self) -> str:
+        """The end-of-run table: final training loss, eval loss, realised compression, steps, output."""
+
+        def figure(value: float | None) -> str:
+            return "n/a" if value is None else f"{value:.4f}"
+
+        rows = [
+            ("final train loss", figure(self.train_loss)),
+            ("eval loss", figure(self.eval_loss)),
+            ("compression (tokens per concept)", figure(self.compression)),
+            ("optimizer steps", str(self.global_step)),
+            ("saved to", str(self.output_dir)),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'metric'.ljust(width)} | value", f"{'-' * width}-|-{'-' * 12}"]
+        lines += [f"{name.ljust(width)} | {value}" for name, value in rows]
+        return "\n".join(lines)
+
+
+def _last_logged(log_history: list[dict[str, Any]], key: str) -> float | None:
+    for entry in reversed(log_history):
+        if key in entry:
+            return float(entry[key])
+    return None
+
+
+def _final_train_loss(log_history: list[dict[str, Any]]) -> float | None:
+    """The last logged loss; without any log in the run, the run's mean ("train_loss")."""
+    loss = _last_logged(log_history, "loss")
+    return loss if loss is not None else _last_logged(log_history, "train_loss")
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move the complete model in `staging` into `out`, config.json last.
+
+    An older model's config.json goes first, so from the first move to the last `out` holds no
+    config.json: a folder with one is always a complete model. Older weight shards and indexes are
+    removed, so a stale index cannot point at shards of another model.
+    """
+    (out / "config.json").unlink(missing_ok=True)
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    for entry in sorted(staging.iterdir(), key=lambda item: item.name == "config.json"):
+        target = out / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    staging.rmdir()
+
+
+def _write_card(staging: Path, out: Path, base_model: str | None, **figures: Any) -> Path | None:
+    """The model card in `staging`, its load snippet naming `out` (where the model will be)."""
+    try:
+        from hf_concept.model_card import write_model_card
+    except ImportError as error:
+        logger.warning(f"model card skipped: hf_concept.model_card is not available ({error})")
+        return None
+    extra = {}
+    if "name_or_path" in inspect.signature(write_model_card).parameters:
+        extra["name_or_path"] = str(out)
+    write_model_card(staging, base_model=base_model, **figures, **extra)
+    return out / "README.md"
+
+
+def _save_final(trainer: RecipeTrainer, model: PreTrainedModel, staging: Path, merged: bool) -> None:
+    """Write model + tokenizer to `staging`. Every rank calls this (FSDP/DeepSpeed gather the weights)."""
+    if trainer.is_world_process_zero():
+        shutil.rmtree(staging, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    if merged:
+        if trainer.is_world_process_zero():
+            model.save_pretrained(staging)
+            trainer.processing_class.save_pretrained(staging)
+    else:
+        trainer.save_model(str(staging))
+    if trainer.is_world_process_zero():
+        # Trainer pickles its arguments next to the weights; a shared checkpoint should not carry a pickle.
+        (staging / "training_args.bin").unlink(missing_ok=True)
+
+
+def finish(
+    trainer: RecipeTrainer,
+    out: Path,
+    eval_metrics: dict[str, float],
+    details: dict[str, Any],
+    base_model: str | None,
+) -> TrainResult:
+    """Save the trained model (merged if LoRA) with tokenizer and card into `out`; gather the figures."""
+    state, args = trainer.state, trainer.args
+    trainer.save_state()
+    model = trainer.model
+    merged = hasattr(model, "merge_and_unload")
+    if merged:
+        model = model.merge_and_unload()
+    compression = eval_metrics.get(
+        "eval_compression_ratio", _last_logged(state.log_history, "compression_ratio")
+    )
+    result = TrainResult(
+        output_dir=out,
+        model=model,
+        tokenizer=trainer.processing_class,
+        log_history=list(state.log_history),
+        global_step=state.global_step,
+        train_loss=_final_train_loss(state.log_history),
+        eval_loss=eval_metrics.get("eval_loss"),
+        compression=compression,
+        is_main_process=trainer.is_world_process_zero(),
+        metrics=dict(eval_metrics),
+    )
+    training = {
+        **details,
+        "steps": state.global_step,
+        "epochs": round(float(state.epoch or 0.0), 4),
+        "learning_rate": args.learning_rate,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "world_size": args.world_size,
+        "seed": args.seed,
+        "final_train_loss": result.train_loss,
+    }
+    evaluation = {key: float(value) for key, value in eval_metrics.items() if key == "eval_loss"}
+    if result.eval_loss is not None:
+        evaluation["eval_perplexity"] = math.exp(min(result.eval_loss, 50.0))
+    trainer.check_finite_weights(model)
+    staging = out / STAGING_NAME
+    _save_final(trainer, model, staging, merged)
+    if result.is_main_process:
+        try:
+            result.card_path = _write_card(
+                staging, out, base_model, training=training, evaluation=evaluation, compression=compression
+            )
+            publish(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    trainer.accelerator.wait_for_everyone()
+    return result
