@@ -300,7 +300,7 @@ def test_cli_user_errors_are_one_line_with_exit_status_2(tmp_path, capsys):
         ([*convert, source, tmp_path / "d", "--streams", "2", "--layout", "iii"], "num_hidden_layers=4"),
         ([*convert, source, tmp_path / "d", "--streams", "0"], "num_streams=0"),
         (["expand", source, tmp_path / "d", "--streams", "4"], "model_type='llama'"),
-        ([*convert, source, tmp_path / "src", "--streams", "2"], "overwrite=True"),
+        ([*convert, source, tmp_path / "src", "--streams", "2"], "is the source src="),
     ]
     for argv, message in cases:
         status, lines = run_cli(capsys, *argv)
@@ -312,6 +312,8 @@ def test_cli_user_errors_are_one_line_with_exit_status_2(tmp_path, capsys):
     status, lines = run_cli(capsys, "expand", tmp_path / "two", tmp_path / "d", "--streams", "3")
     assert status == 2 and len(lines) == 1 and "num_streams=3" in lines[0], lines
     status, lines = run_cli(capsys, "expand", tmp_path / "two", tmp_path / "two", "--streams", "4")
+    assert status == 2 and len(lines) == 1 and "is the source src=" in lines[0], lines
+    status, lines = run_cli(capsys, *convert, source, tmp_path / "two", "--streams", "2")
     assert status == 2 and len(lines) == 1 and "overwrite=True" in lines[0], lines
     assert entries(tmp_path) == ["g", "src", "two"]
 

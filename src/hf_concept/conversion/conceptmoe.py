@@ -225,11 +225,12 @@ def convert_to_conceptmoe(
     Options are ConceptMoEConfig fields (`concept_loop` = (start, end, extra passes)); `experts_per_token`
     changes a MoE source's top-k; `dtype` defaults to the source's; `base_model` names the source in the
     model card (default: the `src` path). Raises ValueError, with `dst` left untouched, for an unsupported
-    model_type, a bad option, missing/corrupt shards, shape mismatches, `.bin` weights without
-    `allow_pickle=True`, or an existing non-empty `dst` without `overwrite=True`.
+    model_type, a bad option, missing/corrupt shards, NaN/inf weights, shape mismatches, `.bin` weights
+    without `allow_pickle=True`, a `dst` that is, contains or lies inside `src` (even with
+    `overwrite=True`), or an existing non-empty `dst` without `overwrite=True`.
     """
     src = Path(src)
-    dst = check_destination(dst, overwrite)
+    dst = check_destination(dst, overwrite, source=src)
     parse_size(max_shard_size)
     source_config = read_source_config(src)
     options = dict(
@@ -250,7 +251,7 @@ def convert_to_conceptmoe(
     shapes = expected_shapes(config)
     tensors = converted_tensors(src, source_config.model_type, config, shapes, dtype, allow_pickle, seed)
     ConceptMoEModel, ConceptMoEForCausalLM = _model_classes()
-    with atomic_folder(dst, overwrite=overwrite) as folder:
+    with atomic_folder(dst, overwrite=overwrite, source=src) as folder:
         write_tensors(folder, tensors, max_shard_size, total=len(shapes), description="convert")
         config.dtype = dtype
         config.architectures = [ConceptMoEForCausalLM.__name__]

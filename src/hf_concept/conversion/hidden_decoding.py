@@ -249,11 +249,12 @@ def convert_to_hidden_decoding(
     from the source (`default_stream_layout` with `cross_every`). `sliding_window` (expanded positions)
     defaults to the source's window × num_streams. `dtype` defaults to the source's; `base_model` names
     the source in the model card (default: the `src` path). Raises ValueError, with `dst` left untouched,
-    for an unsupported model_type, a bad option, missing/corrupt shards, shape mismatches, `.bin` weights
-    without `allow_pickle=True`, or an existing non-empty `dst` without `overwrite=True`.
+    for an unsupported model_type, a bad option, missing/corrupt shards, NaN/inf weights, shape
+    mismatches, `.bin` weights without `allow_pickle=True`, a `dst` that is, contains or lies inside
+    `src` (even with `overwrite=True`), or an existing non-empty `dst` without `overwrite=True`.
     """
     src = Path(src)
-    dst = check_destination(dst, overwrite)
+    dst = check_destination(dst, overwrite, source=src)
     parse_size(max_shard_size)
     source_config = read_source_config(src)
     config = hidden_decoding_config_from_source(
@@ -352,11 +353,12 @@ def expand_hidden_decoding(
 
     `sliding_window` is scaled by the growth factor; every other tensor and setting is copied. `dtype`
     defaults to the checkpoint's. Raises ValueError, with `dst` left untouched, for a folder that is not
-    a Hidden Decoding checkpoint, a `num_streams` that is not a multiple, missing/corrupt shards, or an
-    existing non-empty `dst` without `overwrite=True`.
+    a Hidden Decoding checkpoint, a `num_streams` that is not a multiple, missing/corrupt shards, NaN/inf
+    weights, a `dst` that is, contains or lies inside `src`, or an existing non-empty `dst` without
+    `overwrite=True`.
     """
     src = Path(src)
-    dst = check_destination(dst, overwrite)
+    dst = check_destination(dst, overwrite, source=src)
     parse_size(max_shard_size)
     old_config = read_hidden_decoding_config(src)
     config = expanded_config(old_config, num_streams)
@@ -375,7 +377,7 @@ def _write(src: Path, dst: Path, config, tensors: Iterator, total: int, options:
 
     `options`: dtype, max_shard_size, overwrite, base_model and the card's `settings`."""
     HiddenDecodingModel, HiddenDecodingForCausalLM = _model_classes()
-    with atomic_folder(dst, overwrite=options["overwrite"]) as folder:
+    with atomic_folder(dst, overwrite=options["overwrite"], source=src) as folder:
         write_tensors(folder, tensors, options["max_shard_size"], total=total, description="convert")
         config.dtype = options["dtype"]
         config.architectures = [HiddenDecodingForCausalLM.__name__]

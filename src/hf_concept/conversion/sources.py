@@ -10,6 +10,8 @@ Weights are read from safetensors as they lie on disk, shard by shard and tensor
 - fused v5 expert tensors (`mlp.experts.gate_up_proj` (E, 2I, D), `mlp.experts.down_proj` (E, D, I),
   written with `save_original_format=False`) are split per expert.
 `.bin` files are refused unless `allow_pickle=True` (and then read with `weights_only=True`).
+Every floating tensor is checked for NaN and inf as it is read (`check_finite`), so a corrupt data
+section is named (tensor and file) instead of converted into a model that outputs NaN.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ _MIXTRAL_EXPERT = re.compile(
 _MIXTRAL_GATE = re.compile(r"^(?P<layer>.*layers\.\d+)\.block_sparse_moe\.gate\.")
 _MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FUSED_EXPERTS = re.compile(r"^(?P<layer>.*layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
+# Float dtypes torch.aminmax reads directly on CPU; others (float8) are widened first.
+_MINMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Buffers some old checkpoints saved; they are recomputed, never loaded.
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -240,7 +244,8 @@ def iter_source_tensors(folder: str | Path, allow_pickle: bool = False) -> Itera
             "or pass allow_pickle=True for a trusted source"
         )
     for path in pickles:
-        yield from torch.load(path, map_location="cpu", weights_only=True).items()
+        for key, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+            yield key, check_finite(key, tensor, path)
 
 
 def _shard_tensors(path: Path, promised: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -251,9 +256,26 @@ def _shard_tensors(path: Path, promised: set[str] | None) -> Iterator[tuple[str,
             if promised is not None and not promised <= set(keys):
                 raise ValueError(f"{path.name} lacks keys its index lists: {sorted(promised - set(keys))}")
             for key in keys:
-                yield key, shard.get_tensor(key)
+                yield key, check_finite(key, shard.get_tensor(key), path)
     except (OSError, SafetensorError) as error:
         raise ValueError(f"file={str(path)!r} could not be read as safetensors: {error}") from error
+
+
+def check_finite(key: str, tensor: torch.Tensor, path: Path) -> torch.Tensor:
+    """`tensor`, after checking that a floating tensor holds no NaN or inf; ValueError naming the key and
+    the file otherwise (random bytes over a shard's data section usually decode to some)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return tensor
+    # aminmax reads the tensor once without a full-size temporary (isfinite(t).all() needs one); it
+    # propagates NaN, and an inf is always the minimum or the maximum.
+    values = tensor if tensor.dtype in _MINMAX_DTYPES else tensor.float()
+    low, high = torch.aminmax(values)
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        raise ValueError(
+            f"tensor {key!r} in source file {str(path)!r} holds NaN or inf values: the file is corrupt "
+            "(or the weights diverged in training)"
+        )
+    return tensor
 
 
 def _empty_plain_model(config: PlainDecoderConfig, dtype: torch.dtype) -> PlainDecoderForCausalLM:

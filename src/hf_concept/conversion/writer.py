@@ -1,11 +1,22 @@
 """Write a converted checkpoint atomically: shards, index, config with remote code, side files.
 
 Contract:
-- Everything is written into a hidden temporary sibling of the destination (`.<name>.tmp-XXXX`) and
-  renamed to the destination only once complete. Any error (or interrupt) removes the temporary folder
-  and leaves the destination untouched; nothing that looks like a checkpoint is left behind.
+- Everything is written into `.<name>.tmp-XXXX/<name>`, inside a hidden temporary sibling of the
+  destination, and renamed to the destination only once complete. Any error (or interrupt) removes the
+  temporary folder and leaves the destination untouched; nothing that looks like a checkpoint is left
+  behind.
 - An existing non-empty destination is refused (ValueError naming it) before anything is written,
-  unless `overwrite=True`; then the old folder is replaced only after the new one is complete.
+  unless `overwrite=True`; then the old folder is replaced only after the new one is complete (it is
+  moved into `.<name>.old-XXXX/<name>` first and deleted once the new one is in place).
+- A destination that is the source, contains it or lies inside it is refused (ValueError naming both)
+  before anything is touched, with or without `overwrite` (symlinks resolved, folders compared by
+  identity).
+- A hard kill (SIGKILL, power loss) can leave a `.tmp-`/`.old-` folder behind. Each holds a marker
+  (`.hf-concept-writer.json`: writer, pid, host, destination name); the next `atomic_folder` in the same
+  parent removes those whose process is gone on this host. Live processes' folders, other hosts'
+  folders, unmarked look-alikes and symlinks are never touched; an `.old-` folder whose destination is
+  missing (killed between the two renames) holds the only copy of the old checkpoint and is only
+  reported.
 - Tensors are streamed: `ShardWriter` keeps at most one shard's tensors in memory and flushes a shard
   when the next tensor would push it past `max_shard_size`. One shard is written as
   `model.safetensors`; several as `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`.
@@ -18,9 +29,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -47,6 +60,13 @@ SIDE_FOLDERS = ("additional_chat_templates",)
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 _SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?I?B?)\s*$", re.IGNORECASE)
+# Marks the staging and retired folders this module makes, so that leftovers of a killed process can be
+# told apart from anything else and removed safely.
+MARKER = ".hf-concept-writer.json"
+_WRITER = __name__
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-.+$")
+
+logger = logging.getLogger(__name__)
 
 
 def parse_size(size: int | str) -> int:
@@ -61,9 +81,12 @@ def parse_size(size: int | str) -> int:
     return int(float(match["number"]) * _SIZE_UNITS[match["unit"].upper()])
 
 
-def check_destination(dst: str | Path, overwrite: bool) -> Path:
-    """The destination as a Path; ValueError when it is a file, or a non-empty folder without overwrite."""
+def check_destination(dst: str | Path, overwrite: bool, source: str | Path | None = None) -> Path:
+    """The destination as a Path; ValueError when it is the `source` folder, contains it or lies inside
+    it, when it is a file, or when it is a non-empty folder without overwrite."""
     dst = Path(dst)
+    if source is not None:
+        check_apart(Path(source), dst)
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"dst={str(dst)!r} exists and is not a folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
@@ -71,43 +94,145 @@ def check_destination(dst: str | Path, overwrite: bool) -> Path:
     return dst
 
 
+def check_apart(src: Path, dst: Path) -> None:
+    """ValueError naming both paths when writing `dst` would replace, delete or add to `src`."""
+    if _within(src, dst):
+        relation = "is" if _within(dst, src) else "contains"
+    elif _within(dst, src):
+        relation = "lies inside"
+    else:
+        return
+    raise ValueError(
+        f"dst={str(dst)!r} {relation} the source src={str(src)!r} (resolved: {dst.resolve()} and "
+        f"{src.resolve()}); writing there would modify or delete the source, even with overwrite=True: "
+        "choose a destination outside it"
+    )
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    """Whether `inner` is `outer` or lies inside it: symlinks resolved, and existing folders compared by
+    identity, so that bind mounts and case-insensitive names are caught too."""
+    inner, outer = inner.resolve(), outer.resolve()
+    if inner == outer or outer in inner.parents:
+        return True
+    if not outer.exists():
+        return False
+    return any(path.exists() and os.path.samefile(path, outer) for path in (inner, *inner.parents))
+
+
 @contextlib.contextmanager
-def atomic_folder(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling folder of `dst`; on success it becomes `dst`, on any error it is removed."""
-    dst = check_destination(dst, overwrite).absolute()
+def atomic_folder(
+    dst: str | Path, overwrite: bool = False, source: str | Path | None = None
+) -> Iterator[Path]:
+    """Yield an empty folder inside a hidden temporary sibling of `dst`; on success it becomes `dst`, on
+    any error it is removed. `source`, when given, is a folder that `dst` must stay apart from."""
+    dst = check_destination(dst, overwrite, source).absolute()
     # Parent folders made here are removed again on failure (innermost first), if still empty.
     made_parents = [parent for parent in dst.parents if not parent.exists()]
     dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    remove_stale_folders(dst.parent)
+    staging = _marked_folder(dst.parent, dst.name, "tmp")
+    folder = staging / dst.name
     try:
-        yield staging
-        _replace(staging, dst)
+        folder.mkdir()
+        yield folder
+        _replace(folder, dst)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for parent in made_parents:
             with contextlib.suppress(OSError):
                 parent.rmdir()
         raise
+    shutil.rmtree(staging, ignore_errors=True)
 
 
-def _replace(staging: Path, dst: Path) -> None:
-    """Move the complete `staging` folder to `dst`, replacing an old `dst` only after the move."""
-    if not dst.exists():
-        os.replace(staging, dst)
-        return
-    if not any(dst.iterdir()):
+def _replace(folder: Path, dst: Path) -> None:
+    """Move the complete `folder` to `dst`, replacing an old `dst` only after the move."""
+    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
         dst.rmdir()
-        os.replace(staging, dst)
+    if not dst.exists():
+        os.replace(folder, dst)
         return
-    retired = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-    retired.rmdir()
-    os.replace(dst, retired)
+    retired = _marked_folder(dst.parent, dst.name, "old")
+    os.replace(dst, retired / dst.name)
     try:
-        os.replace(staging, dst)
+        os.replace(folder, dst)
     except BaseException:
-        os.replace(retired, dst)
+        os.replace(retired / dst.name, dst)
+        shutil.rmtree(retired, ignore_errors=True)
         raise
     shutil.rmtree(retired, ignore_errors=True)
+
+
+def _marked_folder(parent: Path, name: str, kind: str) -> Path:
+    """A new hidden folder `.<name>.<kind>-XXXX` in `parent`, marked as this process's."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-", dir=parent))
+    owner = {"writer": _WRITER, "pid": os.getpid(), "host": socket.gethostname(), "destination": name}
+    try:
+        (folder / MARKER).write_text(json.dumps(owner))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
+
+
+def remove_stale_folders(parent: str | Path) -> list[Path]:
+    """Remove the staging and retired folders in `parent` that a process on this host, now dead, left
+    behind (see the module contract for what is kept); returns the folders removed."""
+    parent = Path(parent)
+    removed = []
+    for folder in sorted(parent.iterdir()):
+        match = _LEFTOVER.match(folder.name)
+        owner = _owner(folder) if match else None
+        if owner is None or owner["destination"] != match["name"] or owner["host"] != socket.gethostname():
+            continue
+        if _process_alive(owner["pid"]):
+            continue
+        if match["kind"] == "old" and not (parent / owner["destination"]).exists():
+            logger.warning(
+                "kept %s: process %d that made it is no longer running, and it holds the only copy "
+                "of %s; move %s back by hand",
+                folder,
+                owner["pid"],
+                parent / owner["destination"],
+                folder / owner["destination"],
+            )
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.warning(
+            "removed %s, left behind by process %d, which is no longer running", folder, owner["pid"]
+        )
+        removed.append(folder)
+    return removed
+
+
+def _owner(folder: Path) -> dict | None:
+    """The marker of a folder this module made; None for anything else (symlinks included)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return None
+    try:
+        owner = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(owner, dict) or owner.get("writer") != _WRITER:
+        return None
+    pid, host, name = owner.get("pid"), owner.get("host"), owner.get("destination")
+    if not (isinstance(pid, int) and pid > 0 and isinstance(host, str) and isinstance(name, str)):
+        return None
+    return owner
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host; True whenever that cannot be told."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
