@@ -2,13 +2,14 @@
 
 Targets are sub-subcommands ("conceptmoe", "hidden-decoding"); each maps its flags onto the keyword
 arguments of a converter in `hf_concept.conversion`. A user error (bad option, unsupported source,
-existing destination, corrupt shard) prints one line to stderr and exits with status 2, without a
-traceback.
+existing destination, a destination that is or holds the source, corrupt shard) prints one line to
+stderr and exits with status 2, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,20 @@ def _loop(text: str) -> list[int]:
     if len(parts) != 3 or not all(part.strip().lstrip("-").isdigit() for part in parts):
         raise argparse.ArgumentTypeError(f"--loop={text!r} must be START:END:TIMES, three integers")
     return [int(part) for part in parts]
+
+
+def _ratio(text: str) -> float:
+    """--ratio R, tokens per concept: a finite number >= 1 (1 only with --chunking fixed). Its upper
+    bound, the source's max_position_embeddings, is checked with the config."""
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = math.nan
+    if not (math.isfinite(ratio) and ratio >= 1):
+        raise argparse.ArgumentTypeError(
+            f"--ratio={text!r} must be a finite number >= 1 (tokens per concept)"
+        )
+    return ratio
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +66,7 @@ def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
         "--encoder-layers", type=int, default=2, help="Token-level layers before (default 2)."
     )
     parser.add_argument("--decoder-layers", type=int, default=2, help="Token-level layers after (default 2).")
-    parser.add_argument("--ratio", type=float, default=2.0, help="Target tokens per concept R (default 2).")
+    parser.add_argument("--ratio", type=_ratio, default=2.0, help="Target tokens per concept R (default 2).")
     parser.add_argument("--chunking", choices=("dynamic", "fixed"), default="dynamic")
     parser.add_argument(
         "--joint-decoding-layers", type=int, default=None, help="Last J decoder layers read concepts."

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from .configuration_plain import PlainDecoderConfig, _is_int, _is_number
+from .configuration_plain import (
+    MAX_COUNT,
+    MAX_SIZE,
+    PlainDecoderConfig,
+    _check_int,
+    _check_number,
+    _is_int,
+    _is_number,
+)
 
 CHUNKING_KINDS = ("dynamic", "fixed")
 ROUTER_KINDS = ("cosine", "linear")
@@ -100,9 +108,7 @@ class ConceptMoEConfig(PlainDecoderConfig):
 
     def _check_layer_split(self) -> None:
         for name in ("encoder_layers", "decoder_layers"):
-            value = getattr(self, name)
-            if not (_is_int(value) and value >= 0):
-                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+            _check_int(name, getattr(self, name), 0, MAX_COUNT)
         if self.num_concept_layers < 1:
             raise ValueError(
                 f"num_hidden_layers={self.num_hidden_layers} must exceed encoder_layers={self.encoder_layers}"
@@ -131,24 +137,21 @@ class ConceptMoEConfig(PlainDecoderConfig):
                 raise ValueError(f"{name}={value!r} must be one of {allowed}")
 
     def _check_numbers(self) -> None:
-        ratio = self.compression_ratio
-        if not _is_number(ratio):
-            raise ValueError(f"compression_ratio={ratio!r} must be a number")
-        if self.chunking == "dynamic" and not ratio > 1:
-            raise ValueError(f"compression_ratio={ratio!r} must be > 1 for chunking='dynamic'")
-        if self.chunking == "fixed" and not (ratio >= 1 and float(ratio).is_integer()):
-            raise ValueError(f"compression_ratio={ratio!r} must be an integer >= 1 for chunking='fixed'")
-        for name in ("boundary_tau",):
-            value = getattr(self, name)
-            if not (_is_number(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive number")
-        for name in ("boundary_sigma", "aux_loss_weight"):
-            value = getattr(self, name)
-            if not (_is_number(value) and value >= 0):
-                raise ValueError(f"{name}={value!r} must be a non-negative number")
-        threshold = self.boundary_threshold
-        if not (_is_number(threshold) and 0 < threshold <= 1):
-            raise ValueError(f"boundary_threshold={threshold!r} must be in (0, 1]")
+        ratio, limit = self.compression_ratio, self.max_position_embeddings
+        # R tokens per concept: beyond max_position_embeddings not even the longest sequence holds one.
+        if self.chunking == "fixed":
+            valid = _is_number(ratio) and 1 <= ratio <= limit and float(ratio).is_integer()
+            rule = f"an integer in [1, max_position_embeddings={limit}] for chunking='fixed'"
+        else:
+            valid = _is_number(ratio) and 1 < ratio <= limit
+            rule = f"a finite number in (1, max_position_embeddings={limit}] for chunking='dynamic'"
+        if not valid:
+            raise ValueError(f"compression_ratio={ratio!r} must be {rule} (tokens per concept)")
+        # τ sharpens p to p^(1/τ) and σ scales Gaussian noise: any finite positive value is meaningful.
+        _check_number("boundary_tau", self.boundary_tau, 0, brackets="(]")
+        _check_number("boundary_sigma", self.boundary_sigma)
+        _check_number("aux_loss_weight", self.aux_loss_weight)
+        _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="(]")
 
     def _check_compute_reallocation(self) -> None:
         loop = self.concept_loop
@@ -158,17 +161,19 @@ class ConceptMoEConfig(PlainDecoderConfig):
                 and len(loop) == 3
                 and all(_is_int(value) for value in loop)
                 and 0 <= loop[0] < loop[1] <= self.num_concept_layers
-                and loop[2] >= 1
+                and 1 <= loop[2] <= MAX_COUNT
             )
             if not valid:
                 raise ValueError(
                     f"concept_loop={loop!r} must be None or [start, end, extra] with "
-                    f"0 <= start < end <= {self.num_concept_layers} concept layers and extra >= 1"
+                    f"0 <= start < end <= {self.num_concept_layers} concept layers and extra in "
+                    f"[1, {MAX_COUNT}]"
                 )
         width = self.concept_hidden_size
-        if width is not None and not (_is_int(width) and width >= self.hidden_size):
+        if width is not None and not (_is_int(width) and self.hidden_size <= width <= MAX_SIZE):
             raise ValueError(
-                f"concept_hidden_size={width!r} must be None or an integer >= hidden_size={self.hidden_size}"
+                f"concept_hidden_size={width!r} must be None or an integer in "
+                f"[hidden_size={self.hidden_size}, {MAX_SIZE}]"
             )
         if width is not None and width % self.num_attention_heads != 0:
             raise ValueError(

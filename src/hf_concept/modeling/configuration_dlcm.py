@@ -23,7 +23,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from .configuration_plain import PlainDecoderConfig, _is_int, _is_number
+from .configuration_plain import (
+    MAX_COUNT,
+    MAX_SIZE,
+    PlainDecoderConfig,
+    _check_int,
+    _check_number,
+    _is_int,
+    _is_number,
+)
 from .dlcm_stages import fill_stage_defaults
 
 ROUTER_KINDS = ("cosine", "rule")
@@ -104,16 +112,15 @@ class DLCMConfig(PlainDecoderConfig):
         return 1.0 if self.mup_base_width is None else self.concept_hidden_size / self.mup_base_width
 
     def check_fields(self) -> None:
+        # The split first: num_hidden_layers is its sum, so a bad stage would be reported under that name.
+        for name in ("encoder_layers", "concept_layers", "decoder_layers"):
+            _check_int(name, getattr(self, name), high=MAX_COUNT)
         super().check_fields()
         self._check_stages()
         self._check_choices()
         self._check_numbers()
 
     def _check_stages(self) -> None:
-        for name in ("encoder_layers", "concept_layers", "decoder_layers"):
-            value = getattr(self, name)
-            if not (_is_int(value) and value >= 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
         for name in (
             "concept_hidden_size",
             "concept_num_attention_heads",
@@ -123,13 +130,11 @@ class DLCMConfig(PlainDecoderConfig):
             "cross_num_attention_heads",
             "cross_num_key_value_heads",
         ):
-            value = getattr(self, name)
-            if not (_is_int(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            _check_int(name, getattr(self, name))
         for name in ("concept_head_dim", "cross_head_dim"):
             value = getattr(self, name)
-            if not (_is_int(value) and value > 0 and value % 2 == 0):
-                raise ValueError(f"{name}={value!r} must be a positive even integer")
+            if not (_is_int(value) and 0 < value <= MAX_SIZE and value % 2 == 0):
+                raise ValueError(f"{name}={value!r} must be an even integer in [2, {MAX_SIZE}]")
         for prefix in ("concept", "cross"):
             heads = getattr(self, f"{prefix}_num_attention_heads")
             kv_heads = getattr(self, f"{prefix}_num_key_value_heads")
@@ -158,28 +163,24 @@ class DLCMConfig(PlainDecoderConfig):
             raise ValueError(f"mup_output_scaling={self.mup_output_scaling!r} must be a bool")
 
     def _check_numbers(self) -> None:
-        ratio = self.compression_ratio
-        if not (_is_number(ratio) and ratio > 1):
-            raise ValueError(f"compression_ratio={ratio!r} must be a number > 1")
+        ratio, limit = self.compression_ratio, self.max_position_embeddings
+        # R tokens per concept: beyond max_position_embeddings not even the longest sequence holds one.
+        if not (_is_number(ratio) and 1 < ratio <= limit):
+            raise ValueError(
+                f"compression_ratio={ratio!r} must be a finite number in (1, max_position_embeddings={limit}]"
+                " (tokens per concept)"
+            )
         if self.chunking == "fixed" and not float(ratio).is_integer():
             raise ValueError(f"compression_ratio={ratio!r} must be an integer for chunking='fixed'")
         for name in ("rule_threshold", "boundary_threshold"):
-            value = getattr(self, name)
-            if not (_is_number(value) and 0 < value <= 1):
-                raise ValueError(f"{name}={value!r} must be in (0, 1]")
-        if not (_is_number(self.boundary_tau) and self.boundary_tau > 0):
-            raise ValueError(f"boundary_tau={self.boundary_tau!r} must be a positive number")
-        for name in ("boundary_sigma", "aux_loss_weight"):
-            value = getattr(self, name)
-            if not (_is_number(value) and value >= 0):
-                raise ValueError(f"{name}={value!r} must be a non-negative number")
-        base = self.mup_base_width
-        if base is not None and not (_is_int(base) and base > 0):
-            raise ValueError(f"mup_base_width={base!r} must be None or a positive integer")
+            _check_number(name, getattr(self, name), 0, 1, brackets="(]")
+        # τ sharpens p to p^(1/τ) and σ scales Gaussian noise: any finite positive value is meaningful.
+        _check_number("boundary_tau", self.boundary_tau, 0, brackets="(]")
+        _check_number("boundary_sigma", self.boundary_sigma)
+        _check_number("aux_loss_weight", self.aux_loss_weight)
+        _check_int("mup_base_width", self.mup_base_width, optional=True)
         for name in ("mup_token_learning_rate", "mup_concept_learning_rate", "mup_other_learning_rate"):
-            value = getattr(self, name)
-            if not (_is_number(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive number")
+            _check_number(name, getattr(self, name), 0, brackets="(]")
 
 
 DLCMConfig.register_for_auto_class()

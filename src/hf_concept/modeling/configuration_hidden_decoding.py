@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from .configuration_plain import PlainDecoderConfig, _is_int
+from .configuration_plain import MAX_COUNT, MAX_SIZE, PlainDecoderConfig, _is_int
 
 STREAM_ATTENTION_KINDS = ("intra", "local", "full")
 INTRA_STREAM_POSITIONS = ("expanded", "token")
@@ -72,8 +72,10 @@ class HiddenDecodingConfig(PlainDecoderConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.stream_attention_layout, tuple):
             self.stream_attention_layout = list(self.stream_attention_layout)
-        if self.stream_attention_layout is None and _is_int(self.num_hidden_layers):
-            self.stream_attention_layout = default_stream_layout(self.num_hidden_layers)
+        layers = self.num_hidden_layers
+        # A layer count out of range is left for check_fields to name, not turned into a huge layout.
+        if self.stream_attention_layout is None and _is_int(layers) and 0 < layers <= MAX_COUNT:
+            self.stream_attention_layout = default_stream_layout(layers)
         layout = self.stream_attention_layout
         if isinstance(layout, list) and all(kind in STREAM_ATTENTION_KINDS for kind in layout):
             derived = layer_types_of_layout(layout)
@@ -91,9 +93,16 @@ class HiddenDecodingConfig(PlainDecoderConfig):
 
     def check_fields(self) -> None:
         """Raise ValueError naming the first invalid field and its value."""
-        streams = self.num_streams
-        if not (_is_int(streams) and streams >= 1):
-            raise ValueError(f"num_streams={streams!r} must be a positive integer")
+        # The layout is checked against num_hidden_layers and max_position_embeddings: those come first.
+        self._check_sizes()
+        streams, positions = self.num_streams, self.max_position_embeddings
+        # Expanded sequences are num_streams times longer; their positions stay within MAX_SIZE too.
+        most = min(MAX_COUNT, MAX_SIZE // positions)
+        if not (_is_int(streams) and 1 <= streams <= most):
+            raise ValueError(
+                f"num_streams={streams!r} must be an integer in [1, {most}] (at most {MAX_COUNT} streams, "
+                f"and num_streams × max_position_embeddings={positions} at most {MAX_SIZE} positions)"
+            )
         layout = self.stream_attention_layout
         if not isinstance(layout, list) or len(layout) != self.num_hidden_layers:
             raise ValueError(

@@ -17,10 +17,20 @@ and `prior_beta` instead). `update_schedule` = k: k generator steps, then one in
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
-from .configuration_plain import PlainDecoderConfig, _is_int, _is_number
+from .configuration_plain import MAX_COUNT, PlainDecoderConfig, _check_int, _check_number, _is_int, _is_number
 from .pooling import parse_pooling_method
+
+# The model tells padding, sequence start and end and the segment markers apart by id alone.
+SPECIAL_ID_FIELDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "segment_start_token_id",
+    "segment_end_token_id",
+)
 
 
 class LSLMConfig(PlainDecoderConfig):
@@ -92,7 +102,7 @@ class LSLMConfig(PlainDecoderConfig):
         if self.router_intermediate_size is None:
             self.router_intermediate_size = self.token_intermediate_size
         alpha, beta = self.prior_alpha, self.prior_beta
-        if self.prior_mean is None and _is_number(alpha) and _is_number(beta) and alpha + beta > 0:
+        if self.prior_mean is None and _is_number(alpha) and _is_number(beta) and alpha > 0 and beta > 0:
             self.prior_mean = alpha / (alpha + beta)
         if self.prior_mean is None:
             self.prior_mean = 0.2
@@ -102,41 +112,80 @@ class LSLMConfig(PlainDecoderConfig):
         return getattr(self, f"{stage}_hidden_size") // getattr(self, f"{stage}_num_attention_heads")
 
     def check_fields(self) -> None:
+        # The split first: num_hidden_layers is its sum, so a bad stage would be reported under that name.
+        for name in ("token_encoder_layers", "segment_encoder_layers", "decoder_layers"):
+            _check_int(name, getattr(self, name), high=MAX_COUNT)
         super().check_fields()
-        for name in ("token_encoder_layers", "segment_encoder_layers", "decoder_layers", "update_schedule"):
-            value = getattr(self, name)
-            if not (_is_int(value) and value >= 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        _check_int("update_schedule", self.update_schedule)
+        self._check_stages()
+        parse_pooling_method(self.pooling)
+        if self.pooling not in ("mean",) and not self.pooling.startswith("hops:"):
+            raise ValueError(f"pooling={self.pooling!r} must be 'mean' or 'hops:N'")
+        self._check_special_ids()
+        self._check_prior()
+        _check_number("kl_weight", self.kl_weight)
+        _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="()")
+        if self.sliding_window is not None or self.num_experts != 0:
+            raise ValueError(
+                f"sliding_window={self.sliding_window!r}, num_experts={self.num_experts!r}: LSLM's stages "
+                "are dense full-attention transformers"
+            )
+
+    def _check_stages(self) -> None:
         for stage in ("token", "decoder"):
             width, heads = (
                 getattr(self, f"{stage}_hidden_size"),
                 getattr(self, f"{stage}_num_attention_heads"),
             )
-            for name, value in ((f"{stage}_hidden_size", width), (f"{stage}_num_attention_heads", heads)):
-                if not (_is_int(value) and value > 0):
-                    raise ValueError(f"{name}={value!r} must be a positive integer")
+            _check_int(f"{stage}_hidden_size", width)
+            _check_int(f"{stage}_num_attention_heads", heads)
             if width % heads or (width // heads) % 2:
                 raise ValueError(
                     f"{stage}_hidden_size={width} must be {stage}_num_attention_heads={heads} times an even "
                     "head dim"
                 )
         for name in ("token_intermediate_size", "decoder_intermediate_size", "router_intermediate_size"):
+            _check_int(name, getattr(self, name))
+
+    def _check_special_ids(self) -> None:
+        """Each special id is in the vocabulary (the backbone checks pad, bos and eos there, allowing
+        None, which LSLM cannot) and no two are equal."""
+        vocab_size = self.vocab_size
+        owners: dict[int, str] = {}
+        for name in SPECIAL_ID_FIELDS:
             value = getattr(self, name)
-            if not (_is_int(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        parse_pooling_method(self.pooling)
-        if self.pooling not in ("mean",) and not self.pooling.startswith("hops:"):
-            raise ValueError(f"pooling={self.pooling!r} must be 'mean' or 'hops:N'")
-        if not (_is_number(self.prior_mean) and 0 < self.prior_mean < 1):
-            raise ValueError(f"prior_mean={self.prior_mean!r} must be in (0, 1)")
-        if not (_is_number(self.kl_weight) and self.kl_weight >= 0):
-            raise ValueError(f"kl_weight={self.kl_weight!r} must be a non-negative number")
-        if not (_is_number(self.boundary_threshold) and 0 < self.boundary_threshold < 1):
-            raise ValueError(f"boundary_threshold={self.boundary_threshold!r} must be in (0, 1)")
-        if self.sliding_window is not None or self.num_experts != 0:
+            ids = list(value) if isinstance(value, list | tuple) else [value]
+            if not (ids and all(_is_int(token_id) and 0 <= token_id < vocab_size for token_id in ids)):
+                raise ValueError(f"{name}={value!r} must be an id in [0, vocab_size={vocab_size})")
+            for token_id in ids:
+                if token_id in owners:
+                    raise ValueError(
+                        f"{name}={value!r} must differ from {owners[token_id]}={token_id}: LSLM tells its "
+                        "special tokens apart by id"
+                    )
+                owners[token_id] = name
+
+    def _check_prior(self) -> None:
+        """Bernoulli(prior_mean), given directly or as the mean a / (a + b) of a Beta(a, b) prior."""
+        alpha, beta = self.prior_alpha, self.prior_beta
+        _check_number("prior_alpha", alpha, 0, brackets="(]", optional=True)
+        _check_number("prior_beta", beta, 0, brackets="(]", optional=True)
+        if (alpha is None) != (beta is None):
             raise ValueError(
-                f"sliding_window={self.sliding_window!r}, num_experts={self.num_experts!r}: LSLM's stages "
-                "are dense full-attention transformers"
+                f"prior_alpha={alpha!r} and prior_beta={beta!r} must be given together (a Beta prior)"
+            )
+        if alpha is not None:
+            beta_mean = alpha / (alpha + beta)
+            if not 0 < beta_mean < 1:
+                raise ValueError(
+                    f"prior_alpha={alpha!r}, prior_beta={beta!r} give a prior mean of {beta_mean!r}, "
+                    "which must be in (0, 1)"
+                )
+        _check_number("prior_mean", self.prior_mean, 0, 1, brackets="()")
+        if alpha is not None and not math.isclose(self.prior_mean, alpha / (alpha + beta), rel_tol=1e-9):
+            raise ValueError(
+                f"prior_mean={self.prior_mean!r} disagrees with prior_alpha={alpha!r}, prior_beta={beta!r} "
+                f"(mean {alpha / (alpha + beta)!r}); give one or the other"
             )
 
 

@@ -2,11 +2,14 @@
 
 Every field is explicit (RoPE included: `rope_theta` and `rope_scaling`, never transformers'
 `rope_parameters`), filled in `__post_init__` where it has a derived default, and checked in one place,
-`check_fields`, which raises `ValueError` naming the field and the value.
+`check_fields`, which raises `ValueError` naming the field and the value. Numbers must be finite (nan
+and inf are refused everywhere), sizes are integers up to `MAX_SIZE`, counts of layers or experts up to
+`MAX_COUNT`, token ids lie in [0, vocab_size).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -24,12 +27,58 @@ ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+# Largest size a field may hold (widths, vocabulary, positions, windows): beyond int32, index arithmetic in
+# attention kernels overflows, and no weight matrix with such a side fits in memory.
+MAX_SIZE = 2**31 - 1
+# Most layers, experts, streams or loop repeats: each is a module or a list entry built one by one.
+MAX_COUNT = 2**16
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite real number (int or float, not bool): nan and inf are never a valid setting."""
+    if isinstance(value, bool):
+        return False
+    # Ints are finite however large (math.isfinite would overflow on them).
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _check_int(name: str, value: Any, low: int = 1, high: int = MAX_SIZE, *, optional: bool = False) -> None:
+    """Raise ValueError naming the field unless `value` is an int (not a bool) in [low, high]
+    (or None when `optional`)."""
+    if (optional and value is None) or (_is_int(value) and low <= value <= high):
+        return
+    prefix = "None or " if optional else ""
+    raise ValueError(f"{name}={value!r} must be {prefix}an integer in [{low}, {high}]")
+
+
+def _check_number(
+    name: str,
+    value: Any,
+    low: float = 0,
+    high: float = math.inf,
+    *,
+    brackets: str = "[]",
+    optional: bool = False,
+) -> None:
+    """Raise ValueError naming the field unless `value` is a finite real number between low and high;
+    `brackets` says which ends are included ("[]", "(]", "[)" or "()"); high=inf means no upper bound."""
+    if optional and value is None:
+        return
+    if _is_number(value):
+        above = value >= low if brackets[0] == "[" else value > low
+        below = value <= high if brackets[1] == "]" else value < high
+        if above and below:
+            return
+    if high == math.inf:
+        rule = f"{'>=' if brackets[0] == '[' else '>'} {low:g}"
+    else:
+        rule = f"in {brackets[0]}{low:g}, {high:g}{brackets[1]}"
+    prefix = "None or " if optional else ""
+    raise ValueError(f"{name}={value!r} must be {prefix}a finite number {rule}")
 
 
 def _normalise_rope_scaling(rope_scaling: Any, max_position_embeddings: int) -> Any:
@@ -105,7 +154,9 @@ class PlainDecoderConfig(PretrainedConfig):
             self.moe_intermediate_size = self.intermediate_size
         if self.mlp_only_layers is None:
             self.mlp_only_layers = []
-        if self.layer_types is None and _is_int(self.num_hidden_layers):
+        # A layer count out of range is left for check_fields to name, not turned into a huge list.
+        layers = self.num_hidden_layers
+        if self.layer_types is None and _is_int(layers) and 0 < layers <= MAX_COUNT:
             default_type = "full_attention" if self.sliding_window is None else "sliding_attention"
             self.layer_types = [default_type] * self.num_hidden_layers
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling, self.max_position_embeddings)
@@ -119,49 +170,52 @@ class PlainDecoderConfig(PretrainedConfig):
     def check_fields(self) -> None:
         """Raise ValueError naming the first invalid field and its value."""
         self._check_sizes()
+        self._check_token_ids()
         self._check_attention()
         self._check_rope()
         self._check_experts()
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be a bool")
-        pad = self.pad_token_id
-        if pad is not None and not (_is_int(pad) and 0 <= pad < self.vocab_size):
-            raise ValueError(
-                f"pad_token_id={pad!r} must be None or an id in [0, vocab_size={self.vocab_size})"
-            )
 
     def _check_sizes(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
-            value = getattr(self, name)
-            if not (_is_int(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings"):
+            _check_int(name, getattr(self, name))
+        _check_int("num_hidden_layers", self.num_hidden_layers, high=MAX_COUNT)
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not a known activation")
-        for name in ("max_position_embeddings",):
+        # eps only keeps RMSNorm's division finite; at 1 or more it would swamp unit-scale activations.
+        _check_number("rms_norm_eps", self.rms_norm_eps, 0, 1, brackets="()")
+        # The standard deviation of initial weights (0.02 typically); above 1 the residual stream would
+        # grow by orders of magnitude per layer.
+        _check_number("initializer_range", self.initializer_range, 0, 1)
+
+    def _check_token_ids(self) -> None:
+        vocab_size = self.vocab_size
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if not (_is_int(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if not (_is_number(self.rms_norm_eps) and self.rms_norm_eps > 0):
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be a positive number")
-        if not (_is_number(self.initializer_range) and self.initializer_range >= 0):
-            raise ValueError(f"initializer_range={self.initializer_range!r} must be a non-negative number")
+            several = name == "eos_token_id" and isinstance(value, list | tuple)
+            ids = list(value) if several else [value]
+            if value is None or (ids and all(_is_int(i) and 0 <= i < vocab_size for i in ids)):
+                continue
+            rule = f"an id in [0, vocab_size={vocab_size})"
+            if name == "eos_token_id":
+                rule += " or a non-empty list of such ids"
+            raise ValueError(f"{name}={value!r} must be None or {rule}")
 
     def _check_attention(self) -> None:
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
-        if not (_is_int(heads) and heads > 0):
-            raise ValueError(f"num_attention_heads={heads!r} must be a positive integer")
-        if not (_is_int(kv_heads) and kv_heads > 0):
-            raise ValueError(f"num_key_value_heads={kv_heads!r} must be a positive integer")
+        _check_int("num_attention_heads", heads)
+        _check_int("num_key_value_heads", kv_heads)
         if heads % kv_heads != 0:
             raise ValueError(f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
-        if self.head_dim is None:
+        head_dim = self.head_dim
+        if head_dim is None:
             raise ValueError(
                 f"head_dim=None needs num_attention_heads={heads} to divide hidden_size={self.hidden_size}"
             )
-        if not (_is_int(self.head_dim) and self.head_dim > 0 and self.head_dim % 2 == 0):
-            raise ValueError(f"head_dim={self.head_dim!r} must be a positive even integer (RoPE)")
-        if not (_is_number(self.attention_dropout) and 0 <= self.attention_dropout < 1):
-            raise ValueError(f"attention_dropout={self.attention_dropout!r} must be in [0, 1)")
+        if not (_is_int(head_dim) and 0 < head_dim <= MAX_SIZE and head_dim % 2 == 0):
+            raise ValueError(f"head_dim={head_dim!r} must be an even integer in [2, {MAX_SIZE}] (RoPE)")
+        _check_number("attention_dropout", self.attention_dropout, 0, 1, brackets="[)")
         for name in ("attention_bias", "attention_output_bias", "mlp_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
@@ -174,17 +228,14 @@ class PlainDecoderConfig(PretrainedConfig):
         unknown = sorted({kind for kind in layer_types if kind not in ATTENTION_LAYER_TYPES})
         if unknown:
             raise ValueError(f"layer_types={layer_types!r} has {unknown}; allowed: {ATTENTION_LAYER_TYPES}")
-        window = self.sliding_window
-        if window is not None and not (_is_int(window) and window > 0):
-            raise ValueError(f"sliding_window={window!r} must be None or a positive integer")
-        if window is None and "sliding_attention" in layer_types:
+        _check_int("sliding_window", self.sliding_window, optional=True)
+        if self.sliding_window is None and "sliding_attention" in layer_types:
             raise ValueError(
                 f"sliding_window=None but layer_types={layer_types!r} has sliding_attention layers"
             )
 
     def _check_rope(self) -> None:
-        if not (_is_number(self.rope_theta) and self.rope_theta > 0):
-            raise ValueError(f"rope_theta={self.rope_theta!r} must be a positive number")
+        _check_number("rope_theta", self.rope_theta, 0, brackets="(]")
         scaling = self.rope_scaling
         if scaling is None:
             return
@@ -202,7 +253,7 @@ class PlainDecoderConfig(PretrainedConfig):
         if missing or unknown:
             raise ValueError(f"rope_scaling={scaling!r}: missing keys {missing}, unknown keys {unknown}")
         if not (_is_number(scaling["factor"]) and scaling["factor"] > 0):
-            raise ValueError(f"rope_scaling factor={scaling['factor']!r} must be a positive number")
+            raise ValueError(f"rope_scaling factor={scaling['factor']!r} must be a finite number > 0")
         if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
             raise ValueError(
                 f"rope_scaling high_freq_factor={scaling['high_freq_factor']!r} must exceed "
@@ -210,27 +261,23 @@ class PlainDecoderConfig(PretrainedConfig):
             )
 
     def _check_experts(self) -> None:
-        experts = self.num_experts
-        if not (_is_int(experts) and experts >= 0):
-            raise ValueError(f"num_experts={experts!r} must be a non-negative integer (0 = dense)")
-        shared = self.shared_expert_intermediate_size
-        if not (_is_int(shared) and shared >= 0):
-            raise ValueError(f"shared_expert_intermediate_size={shared!r} must be a non-negative integer")
+        experts, shared = self.num_experts, self.shared_expert_intermediate_size
+        # 0 experts = dense. The expert fields are checked even then: a bad value must not wait in a saved
+        # config until experts are switched on.
+        _check_int("num_experts", experts, 0, MAX_COUNT)
+        _check_int("shared_expert_intermediate_size", shared, 0)
+        _check_int("moe_intermediate_size", self.moe_intermediate_size)
+        _check_int("decoder_sparse_step", self.decoder_sparse_step, high=MAX_COUNT)
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
+        top_k = self.num_experts_per_tok
         if experts == 0:
+            _check_int("num_experts_per_tok", top_k)
             if shared > 0:
                 raise ValueError(f"shared_expert_intermediate_size={shared} needs num_experts > 0, got 0")
             return
-        top_k = self.num_experts_per_tok
         if not (_is_int(top_k) and 1 <= top_k <= experts):
             raise ValueError(f"num_experts_per_tok={top_k!r} must be in [1, num_experts={experts}]")
-        size = self.moe_intermediate_size
-        if not (_is_int(size) and size > 0):
-            raise ValueError(f"moe_intermediate_size={size!r} must be a positive integer")
-        step = self.decoder_sparse_step
-        if not (_is_int(step) and step >= 1):
-            raise ValueError(f"decoder_sparse_step={step!r} must be a positive integer")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
         layers = self.mlp_only_layers
         if not isinstance(layers, list) or not all(
             _is_int(index) and 0 <= index < self.num_hidden_layers for index in layers
