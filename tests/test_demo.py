@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,30 @@ def test_quick_demo_checkpoints_load_with_trust_remote_code_in_a_fresh_process(q
         assert output.shape == (1, inputs["input_ids"].shape[1] + 5)
         assert tokenizer.decode(output[0], skip_special_tokens=True).startswith("Every morning at six, the")
     assert sorted(path.name for path in folder.iterdir()) == sorted(CLASSES)
+
+
+def test_the_quick_demos_source_serves_the_readme_quickstart(quick_demo, tmp_path, monkeypatch, capsys):
+    """The README's offline route: `demo-quick/source` as `llama-checkpoint`, a bundled text as corpus."""
+    import shlex
+    import shutil
+
+    from hf_concept.data import corpus
+    from tests.test_quickstart import FAST, quickstart_blocks
+
+    folder, _ = quick_demo
+    shutil.copytree(folder / "source", tmp_path / "llama-checkpoint")
+    bundled = Path(corpus.__file__).parent / "corpus" / "essays_en.txt"
+    shutil.copyfile(bundled, tmp_path / "corpus.txt")
+    monkeypatch.chdir(tmp_path)
+    lines = [
+        line for language, code in quickstart_blocks("ConceptMoE") if language == "sh"
+        for line in code.splitlines() if line.startswith("hf-concept ")
+    ]  # fmt: skip
+    assert len(lines) == 5
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        status = main(argv + FAST.get(argv[0], []))
+        assert status == 0, f"{line}\n{capsys.readouterr().err[-2000:]}"
 
 
 def test_the_segmentation_has_a_simple_view_when_hf_concept_segmentation_is_missing(

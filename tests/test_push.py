@@ -1,8 +1,7 @@
 """`hf-concept push` and `hf_concept.hub`, offline: a recording HfApi stands in for the Hub (HF_NOTES §7).
 
-The recorder applies `upload_folder`'s own file filter (huggingface_hub's `filter_repo_objects` with the
-allow patterns push passes, plus the default ignore patterns) to the folder on disk, so the tests see the
-files the real call would send.
+The recorder keeps the `CommitOperationAdd`s of the one `create_commit` push makes, so the tests see the
+files (and the card text) the real call would send. Failures: tests/test_push_faults.py.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from typing import ClassVar
 
 import pytest
 from huggingface_hub import ModelCard
-from huggingface_hub.utils import filter_repo_objects
 
 from hf_concept import hub
 from hf_concept.cli import main
@@ -30,7 +28,7 @@ TRAIN_COMMAND_CHECKPOINT = "checkpoints/checkpoint-10/model.safetensors"
 
 
 class RecordingHfApi:
-    """Records create_repo / create_branch / upload_folder; a bare repo name gets the namespace "me"."""
+    """Records create_repo / create_branch / create_commit; a bare repo name gets the namespace "me"."""
 
     instances: ClassVar[list[RecordingHfApi]] = []
 
@@ -48,16 +46,9 @@ class RecordingHfApi:
     def create_branch(self, **kwargs):
         self.calls.append(("create_branch", kwargs))
 
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs))
-        from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
-
-        folder = Path(kwargs["folder_path"])
-        on_disk = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
-        selected = filter_repo_objects(
-            on_disk, allow_patterns=kwargs["allow_patterns"], ignore_patterns=DEFAULT_IGNORE_PATTERNS
-        )
-        self.uploaded = sorted(selected)
+    def create_commit(self, **kwargs):
+        self.calls.append(("create_commit", kwargs))
+        self.uploaded = sorted(operation.path_in_repo for operation in kwargs["operations"])
         return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/abc123")
 
 
@@ -65,6 +56,8 @@ class RecordingHfApi:
 def recorder(monkeypatch):
     RecordingHfApi.instances = []
     monkeypatch.setattr(hub, "HfApi", RecordingHfApi)
+    # push checks that a token is configured before it builds the HfApi.
+    monkeypatch.setenv("HF_TOKEN", "hf_recorder")
     return RecordingHfApi
 
 
@@ -107,7 +100,7 @@ def test_conceptmoe_push_creates_the_repo_and_uploads_every_needed_file(tmp_path
     url = hub.push_checkpoint(folder, "org/tiny-cmoe", private=True, report=lambda message: None)
     assert url == "https://huggingface.co/org/tiny-cmoe/commit/abc123"
     (api,) = recorder.instances
-    assert [name for name, _ in api.calls] == ["create_repo", "upload_folder"]
+    assert [name for name, _ in api.calls] == ["create_repo", "create_commit"]
     assert api.calls[0][1] == dict(
         repo_id="org/tiny-cmoe", private=True, exist_ok=True, repo_type="model", token=None
     )

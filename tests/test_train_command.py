@@ -355,5 +355,6 @@ def test_python_api_trains_hidden_decoding_from_a_config_object(workspace, tmp_p
     assert result.global_step == 2 and result.is_main_process
     assert result.eval_loss is not None and result.eval_loss > 0 and result.compression is None
     assert [entry["step"] for entry in result.log_history if "loss" in entry] == [1, 2]
-    assert "| n/a" in result.summary_table() and f"{result.eval_loss:.4f}" in result.summary_table()
+    assert "| n/a (Hidden Decoding has no concepts)" in result.summary_table()
+    assert f"{result.eval_loss:.4f}" in result.summary_table()
     _assert_reloads_with_same_logits(tmp_path / "hd", result.model)

@@ -224,3 +224,11 @@ def test_data_that_is_not_utf8_is_named_by_file_and_offset(workspace, tmp_path, 
     records.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
     with pytest.raises(ValueError, match="byte offset 25"):
         read_documents(records)
+
+
+def test_a_run_too_short_to_log_says_why_compression_is_missing(workspace, tmp_path, capsys):
+    assert _run(workspace, tmp_path / "out", "--max-steps", "1", "--save-steps", "0") == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("compression")]
+    assert row and row[0].endswith(
+        "| n/a (no logging step in 1 step(s) with --logging-steps 2 and no eval split)"
+    ), row

@@ -12,26 +12,30 @@ weights (`model.safetensors`, or an index with every shard it names, or `pytorch
 remote-code model types every module named in the `auto_map` of `config.json` and `tokenizer_config.json`
 plus every sibling those import with `from .x import` (the files `from_pretrained` will ask for).
 
-The model card: a folder without `README.md` gets one written by `model_card.write_model_card` (into the
-folder, and reported, so that the local folder and the repo stay the same). A card that `hf_concept`
-wrote and nobody edited since is rewritten so that its load snippet names the repo instead of a local
-path (reported too). Any other card is uploaded as it is.
+The model card: a folder without `README.md` gets one rendered by `model_card.render_model_card`. A card
+that `hf_concept` wrote and nobody edited since is rewritten so that its load snippet names the repo
+instead of a local path. Any other card is uploaded as it is. A new card is uploaded from memory and
+written into the folder (and reported) only once the commit has landed, so that the local folder and
+the repo stay the same: a failed push leaves every file of the folder as it was.
 
 The upload is `HfApi.create_repo(exist_ok=True)`, `create_branch(exist_ok=True)` when a revision other
-than main is asked for, then one `upload_folder` restricted (`allow_patterns`) to exactly the planned
-files. `HfApi` can be injected, which is how the tests run offline.
+than main is asked for, then one `create_commit` with a `CommitOperationAdd` per planned file. `HfApi`
+can be injected, which is how the tests run offline. `is_hub_error` tells a failed Hub call (network,
+HTTP, token, offline mode) from a bug, and `describe_hub_error` says it in one line.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
-from huggingface_hub import HfApi
+from huggingface_hub import CommitOperationAdd, HfApi
 
 logger = logging.getLogger(__name__)
 
@@ -192,11 +196,6 @@ def required_code_files(folder: str | Path, config: dict | None = None) -> list[
     return sorted(found)
 
 
-def _glob_literal(path: str) -> str:
-    """`path` as an fnmatch pattern that matches only itself (upload_folder filters with fnmatch)."""
-    return "".join(f"[{char}]" if char in "[]*?" else char for char in path)
-
-
 def validate_hub_repo_id(repo_id: str) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -243,13 +242,44 @@ def _card_action(folder: Path, repo_id: str) -> tuple[str, str | None, str | Non
 
 
 def apply_card(plan: UploadPlan, report: Callable[[str], None] | None = None) -> None:
-    """Write the planned model card into the folder, saying so."""
+    """Write the planned model card into the folder, saying so (push calls it once the commit landed).
+
+    The repo has the card already, so a folder that cannot be written is reported, not raised."""
     if plan.card_text is None:
         return
+    report = report or logger.warning
     path = plan.folder / "README.md"
-    path.write_text(plan.card_text, encoding="utf-8")
+    try:
+        path.write_text(plan.card_text, encoding="utf-8")
+    except OSError as error:
+        report(f"the model card is in {plan.repo_id!r} but could not be written to {path}: {error}")
+        return
     what = "wrote a model card" if plan.card_action == "written" else "rewrote the model card"
-    (report or logger.warning)(f"{what} at {path} (its load snippet names {plan.repo_id!r})")
+    report(f"{what} at {path} (its load snippet names {plan.repo_id!r})")
+
+
+def commit_operations(plan: UploadPlan) -> list[CommitOperationAdd]:
+    """One `CommitOperationAdd` per planned file; a new model card is sent from memory (`plan.card_text`),
+    so the folder itself is not touched before the upload succeeds."""
+    operations = []
+    for path, _ in plan.files:
+        if path == "README.md" and plan.card_text is not None:
+            content: str | bytes = plan.card_text.encode("utf-8")
+        else:
+            content = str(plan.folder / path)
+        operations.append(CommitOperationAdd(path_in_repo=path, path_or_fileobj=content))
+    return operations
+
+
+def _require_token(token: str | None) -> None:
+    """Fail before any request when no token is configured (the Hub would refuse the upload anyway)."""
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import LocalTokenNotFoundError
+
+    if token is None and get_token() is None:
+        raise LocalTokenNotFoundError(
+            "no Hub token: pass one (--token), set HF_TOKEN, or log in with `hf auth login`"
+        )
 
 
 def push_checkpoint(
@@ -264,14 +294,19 @@ def push_checkpoint(
     include_checkpoints: bool = False,
     report: Callable[[str], None] | None = None,
 ) -> str:
-    """Upload the checkpoint in `folder` to the model repo `repo_id`; returns the commit URL.
+    """Upload the checkpoint in `folder` to the model repo `repo_id` in one commit; returns its URL.
 
-    The folder is validated first (nothing is created on the Hub for a broken checkpoint). `private`
-    applies when the repo is created (an existing repo keeps its visibility). `revision` names a branch,
-    created from main when missing. `token`: None uses HF_TOKEN or the cached `hf auth login`.
-    `report` receives the one-line messages about the model card (default: a logging warning)."""
+    The folder is validated first (nothing is created on the Hub for a broken checkpoint) and is written
+    to only after the commit succeeded (a new model card, see `apply_card`). `private` applies when the
+    repo is created (an existing repo keeps its visibility). `revision` names a branch, created from main
+    when missing. `token`: None uses HF_TOKEN or the cached `hf auth login`; without `api` a missing
+    token raises `LocalTokenNotFoundError` before any request. `report` receives the one-line messages
+    about the model card (default: a logging warning). Network and Hub failures propagate (see
+    `is_hub_error`)."""
     plan = plan_upload(folder, repo_id, include_checkpoints=include_checkpoints)
-    api = api if api is not None else HfApi(token=token)
+    if api is None:
+        _require_token(token)
+        api = HfApi(token=token)
     repo_url = api.create_repo(
         repo_id=repo_id, private=private, exist_ok=True, repo_type="model", token=token
     )
@@ -281,15 +316,66 @@ def push_checkpoint(
         plan = plan_upload(folder, full_id, include_checkpoints=include_checkpoints)
     if revision and revision != "main" and not revision.startswith("refs/"):
         api.create_branch(repo_id=full_id, branch=revision, exist_ok=True, repo_type="model", token=token)
-    apply_card(plan, report)
     family = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("model_type")
-    commit = api.upload_folder(
+    commit = api.create_commit(
         repo_id=full_id,
-        folder_path=str(folder),
-        allow_patterns=[_glob_literal(path) for path, _ in plan.files],
+        operations=commit_operations(plan),
         commit_message=commit_message or f"Upload {family} checkpoint with hf-concept push",
         revision=revision,
         repo_type="model",
         token=token,
     )
+    apply_card(plan, report)
     return str(getattr(commit, "commit_url", None) or commit)
+
+
+@cache
+def hub_error_types() -> tuple[type[BaseException], ...]:
+    """The exception families of a failed Hub call.
+
+    OSError covers huggingface_hub's HTTP errors (`HfHubHTTPError` and its subclasses), offline mode,
+    a missing token, hf_xet's authentication error, requests' errors and socket errors. The HTTP
+    client's own errors (`httpx2` for huggingface_hub 2, `httpx` for 1: connect, timeout, protocol
+    errors and invalid URLs) are not OSErrors; `HFValidationError` is a ValueError."""
+    from huggingface_hub.errors import HFValidationError
+
+    types: list[type[BaseException]] = [OSError, HFValidationError]
+    for client in ("httpx2", "httpx"):
+        try:
+            module = importlib.import_module(client)
+        except ImportError:
+            continue
+        types += [module.HTTPError, module.InvalidURL]
+    return tuple(types)
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    chain = [error]
+    while chain[-1].__cause__ is not None and len(chain) < 10:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def is_hub_error(error: BaseException) -> bool:
+    """True for a network, HTTP, token or offline-mode failure, also when huggingface_hub re-raised it
+    wrapped (a failed LFS upload becomes `RuntimeError("Error while uploading ...") from error`)."""
+    return any(isinstance(link, hub_error_types()) for link in _error_chain(error))
+
+
+def describe_hub_error(error: BaseException) -> str:
+    """One line: each error of the `raise ... from` chain down to the Hub error, with its type, and the
+    request a connection error was making."""
+    parts = []
+    for link in _error_chain(error):
+        lines = [line.strip() for line in str(link).splitlines() if line.strip()]
+        part = f"{type(link).__name__}: {lines[0]}" if lines else type(link).__name__
+        try:
+            request = link.request  # httpx errors raise RuntimeError when no request is attached
+        except (AttributeError, RuntimeError):
+            request = None
+        if request is not None and str(request.url) not in part:
+            part += f" ({request.method} {request.url})"
+        parts.append(part)
+        if isinstance(link, hub_error_types()):
+            break
+    return ": ".join(parts)

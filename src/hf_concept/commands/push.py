@@ -2,7 +2,9 @@
 
 The work is `hf_concept.hub.push_checkpoint`; this module maps flags onto it and prints. A checkpoint that
 would not load (no config.json, no weights, a missing remote-code module), a missing folder or a bad repo
-id prints one line to stderr and exits 2 before anything is sent; a failed upload exits 1.
+id prints one line to stderr and exits 2 before anything is sent. A failed upload (no network, an HTTP
+error, no token, offline mode: `hub.is_hub_error`) prints one line naming the repo and the cause and
+exits 1; the folder is then left as it was.
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ what is uploaded:
   with `from .x import`.
 
 model card:
-  without a README.md, push writes one (hf_concept's card for the model family) into CHECKPOINT and
-  says so; a card that hf-concept wrote and nobody edited is rewritten so that its load snippet names
-  REPO_ID. Any other README.md is uploaded unchanged.
+  without a README.md, push writes one (hf_concept's card for the model family); a card that hf-concept
+  wrote and nobody edited is rewritten so that its load snippet names REPO_ID. The new card is uploaded,
+  then written into CHECKPOINT (push says so) only once the upload succeeded. Any other README.md is
+  uploaded unchanged.
+
+failures:
+  a folder that would not load or a bad REPO_ID: one line, exit status 2, nothing sent. No network, an
+  HTTP error or no token: one line naming REPO_ID and the cause, exit status 1, CHECKPOINT unchanged.
 
 token:
   --token, else the HF_TOKEN environment variable, else the token saved by `hf auth login`.
@@ -73,9 +80,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError) as error:
         print(f"hf-concept push: error: {error}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        print_plan(plan, args)
-        return 0
     try:
         url = hub.push_checkpoint(
             args.checkpoint,
@@ -87,9 +91,12 @@ def run(args: argparse.Namespace) -> int:
             include_checkpoints=args.include_checkpoints,
             report=print,
         )
-    except (OSError, ValueError) as error:
-        # HTTP, connection, offline-mode and missing-token errors of huggingface_hub are all OSErrors.
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    except Exception as error:
+        # Network, HTTP, token and offline-mode failures are the user's to fix: one line. Anything else
+        # is a bug of ours and keeps its traceback.
+        if not hub.is_hub_error(error):
+            raise
+        message = hub.describe_hub_error(error)
         print(f"hf-concept push: error: upload to {args.repo_id!r} failed: {message}", file=sys.stderr)
         return 1
     print(f"pushed {args.checkpoint} to {url}")

@@ -37,6 +37,8 @@ class TrainResult:
     is_main_process: bool = True
     card_path: Path | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Why `compression` is None, for the table: a short run that never logged, or a family without concepts.
+    compression_note: str | None = None
 
     def summary_table(self) -> str:
         """The end-of-run table: final training loss, eval loss, realised compression, steps, output."""
@@ -47,7 +49,7 @@ class TrainResult:
         rows = [
             ("final train loss", figure(self.train_loss)),
             ("eval loss", figure(self.eval_loss)),
-            ("compression (tokens per concept)", figure(self.compression)),
+            ("compression (tokens per concept)", self._compression_figure()),
             ("optimizer steps", str(self.global_step)),
             ("saved to", str(self.output_dir)),
         ]
@@ -55,6 +57,11 @@ class TrainResult:
         lines = [f"{'metric'.ljust(width)} | value", f"{'-' * width}-|-{'-' * 12}"]
         lines += [f"{name.ljust(width)} | {value}" for name, value in rows]
         return "\n".join(lines)
+
+    def _compression_figure(self) -> str:
+        if self.compression is not None:
+            return f"{self.compression:.4f}"
+        return f"n/a ({self.compression_note})" if self.compression_note else "n/a"
 
 
 def _last_logged(log_history: list[dict[str, Any]], key: str) -> float | None:
@@ -68,6 +75,18 @@ def _final_train_loss(log_history: list[dict[str, Any]]) -> float | None:
     """The last logged loss; without any log in the run, the run's mean ("train_loss")."""
     loss = _last_logged(log_history, "loss")
     return loss if loss is not None else _last_logged(log_history, "train_loss")
+
+
+def _compression_note(trainer: RecipeTrainer, model: PreTrainedModel, evaluated: bool) -> str:
+    """Why no compression figure exists: it is logged only at logging steps and evaluations."""
+    if getattr(model.config, "model_type", None) == "hidden_decoding":
+        return "Hidden Decoding has no concepts"
+    if evaluated:
+        return "the evaluation reported none"
+    steps, every = trainer.state.global_step, trainer.args.logging_steps
+    if every <= steps:
+        return "the model logged none"
+    return f"no logging step in {steps} step(s) with --logging-steps {every:g} and no eval split"
 
 
 def publish(staging: Path, out: Path) -> None:
@@ -147,6 +166,8 @@ def finish(
         is_main_process=trainer.is_world_process_zero(),
         metrics=dict(eval_metrics),
     )
+    if compression is None:
+        result.compression_note = _compression_note(trainer, model, bool(eval_metrics))
     training = {
         **details,
         "steps": state.global_step,
