@@ -11,6 +11,16 @@ in training as σ(p̂_t + g′ − g″) ≥ 0.5 with a straight-through estimat
 objective is the ELBO: cross-entropy of the decoder's bytes and `<nxt>` markers + `kl_weight` · KL of the
 boundary posterior to Bernoulli(`prior_mean`) (a Beta(a, b) prior has mean a / (a + b): give `prior_alpha`
 and `prior_beta` instead). `update_schedule` = k: k generator steps, then one inference-network step.
+Defaults follow the paper's best setting: prior mean 0.7, β = `kl_weight` = 1, interleaving with k = 1.
+
+Inference thresholds q_t at `boundary_threshold`. Training samples a boundary with probability q_t
+(σ(p̂ + g′ − g″) ≥ ½ is a Bernoulli(q_t) draw), so a fixed ½ gives another rate than training whenever the
+router is not sure (q_t = 0.7 everywhere: training closes 70% of the bytes, a threshold of ½ closes all).
+With `calibrate_boundary_threshold` (default) every training forward re-fits the threshold to the recent
+training posteriors: it is set to the (1 − r) quantile of the last 65,536 free bytes' q_t, r being their
+mean, so that thresholding closes segments at the rate training samples them, and generation segments
+the way the model was trained. The threshold is saved with the config; set the flag False to keep a fixed
+one (a fixed threshold at or above `prior_mean` is warned about: inference would close almost nothing).
 
 `check_fields` raises `ValueError` naming the field and the value.
 """
@@ -20,8 +30,12 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from transformers.utils import logging
+
 from .configuration_plain import MAX_COUNT, PlainDecoderConfig, _check_int, _check_number, _is_int, _is_number
 from .pooling import parse_pooling_method
+
+logger = logging.get_logger(__name__)
 
 # The model tells padding, sequence start and end and the segment markers apart by id alone.
 SPECIAL_ID_FIELDS = (
@@ -42,6 +56,8 @@ class LSLMConfig(PlainDecoderConfig):
         "lm_loss",
         "kl_loss",
         "boundary_rate",
+        "expected_boundary_rate",
+        "threshold_boundary_rate",
         "bits_per_byte",
         "hidden_states",
     ]
@@ -68,6 +84,7 @@ class LSLMConfig(PlainDecoderConfig):
     kl_weight: float = 1.0
     update_schedule: int = 1
     boundary_threshold: float = 0.5
+    calibrate_boundary_threshold: bool = True
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -105,7 +122,9 @@ class LSLMConfig(PlainDecoderConfig):
         if self.prior_mean is None and _is_number(alpha) and _is_number(beta) and alpha > 0 and beta > 0:
             self.prior_mean = alpha / (alpha + beta)
         if self.prior_mean is None:
-            self.prior_mean = 0.2
+            # The paper's best setting (LSLM Table 1: p = 0.7 with β = kl_weight = 1 on zh and ja); a low
+            # prior (long segments) hurts English and Chinese (§4.1).
+            self.prior_mean = 0.7
 
     def stage_head_dim(self, stage: str) -> int:
         """Head dim of the "token" or "decoder" stage: its width over its heads."""
@@ -125,11 +144,28 @@ class LSLMConfig(PlainDecoderConfig):
         self._check_prior()
         _check_number("kl_weight", self.kl_weight)
         _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="()")
+        if not isinstance(self.calibrate_boundary_threshold, bool):
+            raise ValueError(
+                f"calibrate_boundary_threshold={self.calibrate_boundary_threshold!r} must be True or False"
+            )
+        self._warn_unreachable_threshold()
         if self.sliding_window is not None or self.num_experts != 0:
             raise ValueError(
                 f"sliding_window={self.sliding_window!r}, num_experts={self.num_experts!r}: LSLM's stages "
                 "are dense full-attention transformers"
             )
+
+    def _warn_unreachable_threshold(self) -> None:
+        """A fixed threshold at or above the prior mean is one the KL term pulls q_t away from: inference
+        would close (almost) no segment while training samples them at about `prior_mean`."""
+        if self.calibrate_boundary_threshold or self.prior_mean > self.boundary_threshold:
+            return
+        logger.warning_once(
+            f"boundary_threshold={self.boundary_threshold!r} with prior_mean={self.prior_mean!r} and "
+            "calibrate_boundary_threshold=False: the KL term pulls q_t toward the prior, below the "
+            "threshold, so inference would close almost no segment. Lower boundary_threshold or set "
+            "calibrate_boundary_threshold=True."
+        )
 
     def _check_stages(self) -> None:
         for stage in ("token", "decoder"):

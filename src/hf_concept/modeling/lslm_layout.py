@@ -34,18 +34,21 @@ class ByteView:
 
 @dataclass
 class Segmentation:
-    """One pass's boundaries over a `ByteView`, each (B, T): `ends` (byte t ends a segment), `probs` q_t
-    (float32), `forced` (ends not decided by the router: `<BoS>`, `<eos>`, a document's last byte, a byte
-    before a marker), `content_ends` (ends decided by the byte itself: the router, `<BoS>`, `<eos>`), the
-    straight-through `factor`, `index` (segment of each byte, -1 elsewhere) and `opens`."""
+    """One pass's boundaries over a `ByteView`, each (B, T): `ends` (byte t ends a segment), `logits` p̂_t
+    and `probs` q_t (float32), `forced` (ends not decided by the router: `<BoS>`, `<eos>`, a document's
+    last byte, a byte before a marker), `content_ends` (ends decided by the byte itself: the router,
+    `<BoS>`, `<eos>`), `index` (segment of each byte, -1 elsewhere) and `opens`. `confidence`: in training,
+    each byte's straight-through decision confidence (`routing.decision_confidence`: value 1, gradient to
+    the byte's own Gumbel-sigmoid sample); None in eval mode."""
 
     ends: torch.Tensor
+    logits: torch.Tensor
     probs: torch.Tensor
     forced: torch.Tensor
     content_ends: torch.Tensor
-    factor: torch.Tensor
     index: torch.Tensor
     opens: torch.Tensor
+    confidence: torch.Tensor | None = None
 
 
 @dataclass
@@ -64,6 +67,8 @@ class DecoderSlots:
     position: torch.Tensor
     token_slot: torch.Tensor
     num_segment_slots: int
+    # (B, S) in training: the decision confidence that scales each slot's input (see `Segmentation`).
+    confidence: torch.Tensor | None = None
 
 
 def _previous(values: torch.Tensor, fill) -> torch.Tensor:

@@ -53,6 +53,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import ModelOutput
 
+from .boundary_calibration import BoundaryCalibration
 from .chunking import concept_attention_mask
 from .concept_stack import ConfigView
 from .configuration_lslm import LSLMConfig
@@ -74,7 +75,7 @@ from .lslm_layout import (
 from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
 from .pooling import chunk_index, pool_concepts, pool_open_chunk
-from .routing import gumbel_sigmoid, sample_gumbel_noise, straight_through
+from .routing import bernoulli_kl_from_logits, decision_confidence, gumbel_sigmoid, sample_gumbel_noise
 from .segment_cache import RaggedStore, SegmentCache
 from .tokenization_lslm import BYTE_OFFSET
 
@@ -171,7 +172,9 @@ class SegmentDecoderLayer(DecoderLayer):
 @dataclass
 class LSLMCausalLMOutput(ModelOutput):
     """Per-token logits plus the ELBO's parts (detached metrics): `lm_loss` (decoder cross-entropy, nats
-    per target), `kl_loss`, `boundary_rate` (segment ends per free byte), `bits_per_byte`,
+    per target), `kl_loss`, `boundary_rate` (segment ends per free byte: sampled in training,
+    thresholded in eval), `expected_boundary_rate` (mean q_t), `threshold_boundary_rate` (share of q_t at
+    or above `boundary_threshold`: inference's rate on the same bytes), `bits_per_byte`,
     `compression_ratio` (bytes per segment) and `boundaries` (B, T) bool, True where an input token opens
     a segment (DESIGN §3: b_t = 1; markers never open one)."""
 
@@ -181,6 +184,8 @@ class LSLMCausalLMOutput(ModelOutput):
     lm_loss: torch.Tensor | None = None
     kl_loss: torch.Tensor | None = None
     boundary_rate: torch.Tensor | None = None
+    expected_boundary_rate: torch.Tensor | None = None
+    threshold_boundary_rate: torch.Tensor | None = None
     bits_per_byte: torch.Tensor | None = None
     compression_ratio: torch.Tensor | None = None
     boundaries: torch.Tensor | None = None
@@ -241,6 +246,8 @@ class LSLMModel(LSLMPreTrainedModel):
         self.rotary_emb = RotaryEmbedding.from_config(config)
         self.decoder_rotary_emb = RotaryEmbedding.from_config(decoder_config)
         self.gradient_checkpointing = False
+        # Not a buffer: a window of training posteriors, not weights (its result lives in the config).
+        self.boundary_calibration = BoundaryCalibration()
         self.post_init()
 
     def new_cache(self) -> SegmentCache:
@@ -261,33 +268,46 @@ class LSLMModel(LSLMPreTrainedModel):
         config, mask = self.config, view.mask
         logits = self.router(token_states)  # (B, T)
         probs = torch.sigmoid(logits)
-        if self.training:
-            relaxed = gumbel_sigmoid(logits, *sample_gumbel_noise(tuple(logits.shape), device=logits.device))
-        else:
-            relaxed = probs
         # The last byte of a document that another document follows in the row ends a segment.
         next_starts = F.pad(view.starts, (0, 1), value=False)[:, 1:]
         special = (view.ids == config.bos_token_id) | (view.ids == _first_id(config.eos_token_id))
-        content_ends = ((relaxed >= config.boundary_threshold) | special) & mask
         forced = (special | next_starts | view.marker_ends) & mask
+        if self.training:
+            # LSLM eq. 5-6: the Gumbel-sigmoid sample at ½ is a Bernoulli(q_t) draw.
+            relaxed = gumbel_sigmoid(logits, *sample_gumbel_noise(tuple(logits.shape), device=logits.device))
+            decided = relaxed >= 0.5
+            self.calibrate(probs, mask & ~forced)
+        else:
+            relaxed = probs
+            decided = probs >= config.boundary_threshold
+        content_ends = (decided | special) & mask
         ends = content_ends | forced
-        factor = straight_through(relaxed, ends)
         opens = (_previous(ends, False) | view.starts) & mask
-        return Segmentation(ends, probs, forced, content_ends, factor, chunk_index(opens, mask), opens)
+        # Training only: the eval forward (and so generation's exactness) never sees the estimator.
+        confidence = decision_confidence(relaxed, ends, mask & ~forced) if self.training else None
+        index = chunk_index(opens, mask)
+        return Segmentation(ends, logits, probs, forced, content_ends, index, opens, confidence)
+
+    def calibrate(self, probs: torch.Tensor, free: torch.Tensor) -> None:
+        """Training: move `boundary_threshold` to the rate-matching threshold of the recent posteriors
+        (`boundary_calibration`), when `calibrate_boundary_threshold`."""
+        if not self.config.calibrate_boundary_threshold:
+            return
+        self.boundary_calibration.observe(probs.detach()[free])
+        threshold = self.boundary_calibration.threshold()
+        if threshold is not None:
+            self.config.boundary_threshold = threshold
 
     def encode_segments(
         self, token_states, segmentation: Segmentation, view: ByteView, store: RaggedStore | None = None
     ) -> tuple[torch.Tensor, ...]:
         """(B, M, D) encoded segments, their (B, M) validity and (B, M) document numbers."""
+        if segmentation.confidence is not None:
+            # Each byte enters its segment scaled by its decision's confidence (value 1): the LM loss
+            # reaches the router at every byte, closing or not (`routing.decision_confidence`).
+            token_states = token_states * segmentation.confidence[..., None].to(token_states.dtype)
         pooled, valid = pool_concepts(token_states, segmentation.opens, view.mask, self.config.pooling)
         num_segments = pooled.shape[1]
-        # Each segment carries the straight-through factor of the byte that closed it (1 while open).
-        closing = torch.where(segmentation.ends, segmentation.index, num_segments)
-        factor = pooled.new_ones(pooled.shape[0], num_segments + 1)
-        factor.scatter_(
-            1, closing.clamp(min=0), torch.where(segmentation.ends, segmentation.factor, 1.0).to(factor.dtype)
-        )
-        pooled = pooled * factor[:, :num_segments, None]
         if self.segment_in_proj is not None:
             pooled = self.segment_in_proj(pooled)
         segment_documents = torch.zeros_like(valid, dtype=torch.long)
@@ -352,13 +372,20 @@ class LSLMModel(LSLMPreTrainedModel):
         fields["targets"].scatter_(1, bos_slot, input_ids.masked_fill(in_bos_segment, -100))
         fields = {name: tensor[:, :num_slots] for name, tensor in fields.items()}
         fields["reads"] = fields["group"].clamp(min=0)
-        return _with_pending_slots(
+        slots = _with_pending_slots(
             fields, view, config.segment_start_token_id, num_segments, token_slot, num_slots
         )
+        if segmentation.confidence is not None:
+            slots.confidence = slot_confidence(segmentation, slot, bos_slot, num_slots, slots.ids.shape[1])
+        return slots
 
     def decode(self, slots: DecoderSlots, segments, segment_valid, segment_documents) -> torch.Tensor:
         """(B, S, Dd) normed decoder states of every slot."""
         states = self.decoder_embed_tokens(slots.ids)
+        if slots.confidence is not None:
+            # The decoder's conditioning on each decision: a byte's slot (z_t = 0: the segment goes on)
+            # and the `<bos>` slot a close opened (z_t = 1), scaled by that decision's confidence.
+            states = states * slots.confidence[..., None].to(states.dtype)
         valid = slots.group >= 0
         order = torch.arange(slots.ids.shape[1], device=valid.device)
         self_allowed = (slots.group[:, :, None] == slots.group[:, None, :]) & valid[:, None, :]
@@ -514,6 +541,37 @@ class LSLMModel(LSLMPreTrainedModel):
         cache.open_counts = cache.open_counts.masked_fill(closing, 0)
 
 
+def boundary_metrics(segmentation: Segmentation, free: torch.Tensor, threshold: float) -> dict:
+    """Detached boundary rates over the `free` bytes (no forced end): `boundary_rate`, the ends this pass
+    used (sampled in training, thresholded in eval); `expected_boundary_rate`, the mean q_t (the rate
+    training samples at); `threshold_boundary_rate`, the share with q_t >= `threshold` (what inference
+    would close on the same bytes). None when no byte is free."""
+    if not bool(free.any()):
+        return dict(boundary_rate=None, expected_boundary_rate=None, threshold_boundary_rate=None)
+    probs = segmentation.probs.detach()[free]
+    return dict(
+        boundary_rate=segmentation.ends[free].float().mean(),
+        expected_boundary_rate=probs.mean(),
+        threshold_boundary_rate=(probs >= threshold).float().mean(),
+    )
+
+
+def slot_confidence(
+    segmentation: Segmentation, slot: torch.Tensor, bos_slot: torch.Tensor, sink: int, total: int
+) -> torch.Tensor:
+    """(B, total) confidence of the decision each decoder slot stands for: a byte's slot, that of its own
+    decision; a segment's `<bos>` slot, that of the close before it (1 at a document's first segment,
+    whose opening no router decided; 1 at the pending slots). `slot`/`bos_slot` (B, T) map view bytes to
+    the `sink` segment slots (`sink` itself: no slot)."""
+    confidence = segmentation.confidence
+    table = confidence.new_ones(confidence.shape[0], total + 1)
+    table[:, : sink + 1].scatter_(1, slot, confidence)
+    table[:, : sink + 1].scatter_(1, bos_slot, _previous(confidence, 1.0))
+    # The sink column received what belongs to no slot; the pending slots after it keep 1.
+    table[:, sink] = 1.0
+    return torch.cat([table[:, :sink], table[:, sink + 1 :]], dim=1)[:, :total]
+
+
 class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
     """Byte-level LSLM: (B, T) ids (the `ByteTokenizer`'s) -> (B, T, V) logits of the next input token.
 
@@ -589,8 +647,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         """The loss (when `labels` is given) and the metrics."""
         config = self.config
         free = mask & ~segmentation.forced
-        rate = segmentation.ends[free].float().mean() if free.any() else None
-        fields = dict(boundary_rate=None if rate is None else rate.detach())
+        fields = boundary_metrics(segmentation, free, config.boundary_threshold)
         segments = int((segmentation.index.max(dim=1).values + 1).clamp(min=0).sum())
         fields["compression_ratio"] = (mask.sum() / max(segments, 1)).detach().float()
         if labels is None:
@@ -603,9 +660,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         lm_loss = losses[counted].sum() / counted.sum().clamp(min=1)
         byte_targets = targets >= BYTE_OFFSET
         bits = losses[byte_targets].sum() / byte_targets.sum().clamp(min=1) / torch.log(torch.tensor(2.0))
-        probs = segmentation.probs.clamp(1e-6, 1 - 1e-6)
-        prior = config.prior_mean
-        kl = probs * torch.log(probs / prior) + (1 - probs) * torch.log((1 - probs) / (1 - prior))
+        kl = bernoulli_kl_from_logits(segmentation.logits, config.prior_mean)
         kl_loss = kl[free].mean() if free.any() else kl.new_zeros(())
         fields.update(
             loss=lm_loss + config.kl_weight * kl_loss,

@@ -70,10 +70,12 @@ What is exact and what is an approximation (global scope):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .packing import document_ids
 
@@ -333,6 +335,41 @@ def straight_through(probs: torch.Tensor, boundaries: torch.Tensor) -> torch.Ten
     the chosen probability, p_t where b_t = 1 and 1 − p_t where b_t = 0."""
     chosen_probs = torch.where(boundaries, probs, 1.0 - probs)
     return _OnesWithIdentityGradient.apply(chosen_probs)
+
+
+def decision_confidence(relaxed: torch.Tensor, ends: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+    """Straight-through confidence of every boundary decision (the H-Net confidence path, applied to a
+    relaxed sample such as LSLM's Gumbel-sigmoid ẑ_t), (B, T) float32.
+
+    Forward value: exactly 1.0 everywhere, so whatever it multiplies is unchanged.
+    Backward rule: ∂c_t/∂ẑ_t = +1 where the byte ended its segment (z_t = 1), −1 where it did not
+    (z_t = 0), at `free` positions; 0 elsewhere (forced ends, pads: no decision was taken there).
+    Multiplying a byte's contribution (its pooled state, its decoder slot) by c_t gives the loss a
+    gradient on ẑ_t at every byte: making the byte count more pushes its decision — to close or to go
+    on — to be taken more surely, making it count less pushes the other way.
+    Reference: `hf_concept.reference.routing.decision_confidence_reference`.
+    """
+    chosen = torch.where(ends, relaxed, 1.0 - relaxed)
+    chosen = torch.where(free, chosen, chosen.detach())
+    return torch.where(free, _OnesWithIdentityGradient.apply(chosen), torch.ones_like(chosen))
+
+
+def bernoulli_kl_from_logits(logits: torch.Tensor, prior_mean: float) -> torch.Tensor:
+    """KL(Bernoulli(σ(l)) ‖ Bernoulli(p)) per element, computed from log-probabilities.
+
+    Forward value: q·(log q − log p) + (1 − q)·(log(1 − q) − log(1 − p)) with q = σ(l), log q =
+    logsigmoid(l) and log(1 − q) = logsigmoid(−l), so nothing is clamped: at l = ±30 the value is finite
+    and the gradient, q(1 − q)·(l − logit p), is small but not zero.
+    Backward rule: plain autograd through logsigmoid and exp (float32 at least).
+    Reference: `hf_concept.reference.routing.bernoulli_kl_reference`.
+    """
+    if not 0 < prior_mean < 1:
+        raise ValueError(f"prior_mean={prior_mean!r} must be in (0, 1)")
+    logits = logits.to(_compute_dtype(logits.dtype))
+    log_q, log_not_q = F.logsigmoid(logits), F.logsigmoid(-logits)
+    return torch.exp(log_q) * (log_q - math.log(prior_mean)) + torch.exp(log_not_q) * (
+        log_not_q - math.log1p(-prior_mean)
+    )
 
 
 def _check_target_ratio(target_ratio: float) -> float:

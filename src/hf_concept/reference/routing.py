@@ -162,6 +162,21 @@ def straight_through_reference(probs: torch.Tensor, boundaries: torch.Tensor) ->
     return chosen_probs + (1 - chosen_probs).detach()
 
 
+def decision_confidence_reference(
+    relaxed: torch.Tensor, ends: torch.Tensor, free: torch.Tensor
+) -> torch.Tensor:
+    """1 + c − c.detach() with c = ẑ where z = 1, else 1 − ẑ, at free positions; 1 (constant) elsewhere."""
+    chosen = torch.where(ends, relaxed, 1 - relaxed)
+    return torch.where(free, 1 + chosen - chosen.detach(), torch.ones_like(chosen))
+
+
+def bernoulli_kl_reference(logits: torch.Tensor, prior_mean: float) -> torch.Tensor:
+    """The Bernoulli KL written with probabilities, in float64: q log(q/p) + (1−q) log((1−q)/(1−p))."""
+    q = torch.sigmoid(logits.double())
+    p = torch.tensor(prior_mean, dtype=torch.float64)
+    return q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))
+
+
 def sequences_reference(
     probs: torch.Tensor,
     boundaries: torch.Tensor,

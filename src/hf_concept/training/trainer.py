@@ -36,7 +36,17 @@ from transformers.trainer_utils import EvalLoopOutput
 from hf_concept.modeling.routing import RatioAccumulator
 
 # Output fields merged into the training logs when a model returns them.
-METRIC_FIELDS = ("lm_loss", "aux_loss", "kl_loss", "compression_ratio", "boundary_prob_mean", "boundary_rate")
+METRIC_FIELDS = (
+    "lm_loss",
+    "aux_loss",
+    "kl_loss",
+    "compression_ratio",
+    "boundary_prob_mean",
+    "boundary_rate",
+    # LSLM: the rate training samples at (mean q) and the rate inference's threshold gives on those bytes.
+    "expected_boundary_rate",
+    "threshold_boundary_rate",
+)
 # Fields that are micro-batch shares of the step's value when Trainer passes num_items_in_batch.
 SHARE_FIELDS = ("lm_loss", "aux_loss")
 EVAL_FIELDS = tuple(name for name in METRIC_FIELDS if name != "aux_loss")

@@ -1,0 +1,196 @@
+"""LSLM learns to segment (issue 15): the LM loss reaches every boundary decision through the confidence
+estimator, the KL is computed in log space, and inference thresholds at the rate training samples.
+
+Each estimator is checked against its plain reference (`hf_concept.reference.routing`); the model's router
+gradient is checked against the same pass with the reference estimator substituted."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hf_concept.modeling import modeling_lslm
+from hf_concept.modeling.boundary_calibration import BoundaryCalibration, rate_matching_threshold
+from hf_concept.modeling.configuration_lslm import LSLMConfig
+from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
+from hf_concept.modeling.routing import bernoulli_kl_from_logits, decision_confidence
+from hf_concept.modeling.tokenization_lslm import ByteTokenizer
+from hf_concept.reference.routing import bernoulli_kl_reference, decision_confidence_reference
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    token_encoder_layers=1,
+    segment_encoder_layers=1,
+    decoder_layers=1,
+    token_hidden_size=16,
+    token_num_attention_heads=2,
+    decoder_hidden_size=24,
+    decoder_num_attention_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+TEXT = ["the cat sat on the mat, and the dog ran off.", "猫が座った。"]
+
+
+def tiny_lslm(seed: int = 0, **overrides) -> LSLMForCausalLM:
+    torch.manual_seed(seed)
+    return LSLMForCausalLM(LSLMConfig(**{**TINY, **overrides}))
+
+
+def batch() -> dict[str, torch.Tensor]:
+    encoded = ByteTokenizer()(TEXT, padding=True, return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
+@pytest.fixture
+def fixed_noise(monkeypatch):
+    """Gumbel noises drawn once per shape from a fixed seed, so two passes take the same decisions."""
+    drawn: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    original = modeling_lslm.sample_gumbel_noise
+
+    def noise(shape, generator=None, device=None, dtype=torch.float32):
+        if shape not in drawn:
+            drawn[shape] = original(shape, torch.Generator().manual_seed(7), device, dtype)
+        return drawn[shape]
+
+    monkeypatch.setattr(modeling_lslm, "sample_gumbel_noise", noise)
+
+
+def test_decision_confidence_is_one_and_its_gradient_follows_the_decision():
+    torch.manual_seed(0)
+    relaxed = torch.rand(3, 11, requires_grad=True)
+    ends = torch.rand(3, 11) < 0.4
+    free = torch.rand(3, 11) < 0.8
+    weights = torch.randn(3, 11)
+    confidence = decision_confidence(relaxed, ends, free)
+    assert torch.equal(confidence, torch.ones(3, 11))
+    (gradient,) = torch.autograd.grad((confidence * weights).sum(), relaxed)
+    reference = decision_confidence_reference(relaxed, ends, free)
+    (expected,) = torch.autograd.grad((reference * weights).sum(), relaxed)
+    torch.testing.assert_close(gradient, expected, atol=1e-6, rtol=0)
+    sign = torch.where(ends, 1.0, -1.0) * free
+    torch.testing.assert_close(gradient, sign * weights, atol=0, rtol=0)
+
+
+def test_kl_matches_the_probability_form_and_keeps_a_gradient_at_saturated_logits():
+    logits = torch.linspace(-12, 12, 97)
+    for prior in (0.2, 0.7):
+        torch.testing.assert_close(
+            bernoulli_kl_from_logits(logits, prior).double(),
+            bernoulli_kl_reference(logits, prior),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+    extreme = torch.tensor([-30.0, 30.0], requires_grad=True)
+    (gradient,) = torch.autograd.grad(bernoulli_kl_from_logits(extreme, 0.7).sum(), extreme)
+    # d KL / d l = q (1 − q) (l − logit p): tiny at |l| = 30, but finite and of the right sign.
+    q = torch.sigmoid(extreme.detach().double())
+    analytic = q * (1 - q) * (extreme.detach().double() - torch.logit(torch.tensor(0.7).double()))
+    assert torch.isfinite(gradient).all() and (gradient != 0).all()
+    torch.testing.assert_close(gradient.double(), analytic, rtol=1e-2, atol=0)
+
+
+def router_logit_gradients(model: LSLMForCausalLM) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(gradient of the LM loss w.r.t. the router's logits (B, T) in view order, free-byte mask,
+    parameter gradients of the router) for one training pass with kl_weight 0."""
+    captured = {}
+    router = model.model.router
+    handle = router.register_forward_hook(
+        lambda module, inputs, output: captured.update(logits=output) or output.retain_grad()
+    )
+    original_segment = model.model.segment
+
+    def segment(view, token_states):
+        segmentation = original_segment(view, token_states)
+        captured["free"] = view.mask & ~segmentation.forced
+        return segmentation
+
+    model.model.segment = segment
+    try:
+        model.train()
+        model.zero_grad()
+        output = model(**batch(), labels=batch()["input_ids"])
+        output.loss.backward()
+    finally:
+        handle.remove()
+        del model.model.segment
+    grads = {name: parameter.grad.clone() for name, parameter in router.named_parameters()}
+    return captured["logits"].grad, captured["free"], grads
+
+
+def test_the_lm_loss_reaches_the_router_at_every_free_byte(fixed_noise):
+    model = tiny_lslm(kl_weight=0.0)
+    logit_grad, free, parameter_grads = router_logit_gradients(model)
+    assert free.sum() > 20
+    # Every free byte's decision, closing or not, has a gradient from the LM loss alone.
+    assert (logit_grad[free] != 0).all(), f"{int((logit_grad[free] == 0).sum())} free bytes got none"
+    assert all(bool(gradient.abs().sum() > 0) for gradient in parameter_grads.values())
+
+
+def test_router_gradients_match_the_reference_estimator(fixed_noise, monkeypatch):
+    model = tiny_lslm(kl_weight=0.0)
+    _, _, fast = router_logit_gradients(model)
+    monkeypatch.setattr(modeling_lslm, "decision_confidence", decision_confidence_reference)
+    _, _, reference = router_logit_gradients(model)
+    for name in fast:
+        torch.testing.assert_close(fast[name], reference[name], atol=1e-6, rtol=0)
+
+
+def test_the_estimator_leaves_the_forward_value_unchanged(fixed_noise, monkeypatch):
+    model = tiny_lslm().train()
+    with torch.no_grad():
+        with_estimator = model(**batch(), labels=batch()["input_ids"])
+        monkeypatch.setattr(
+            modeling_lslm, "decision_confidence", lambda relaxed, ends, free: torch.ones_like(relaxed)
+        )
+        plain = model(**batch(), labels=batch()["input_ids"])
+    assert torch.equal(with_estimator.logits, plain.logits)
+    assert torch.equal(with_estimator.loss, plain.loss)
+
+
+def test_the_rate_matching_threshold_closes_the_share_training_samples():
+    torch.manual_seed(0)
+    probs = torch.distributions.Beta(2.0, 1.0).sample((20000,))
+    tau = rate_matching_threshold(probs)
+    assert abs(float((probs >= tau).float().mean()) - float(probs.mean())) < 0.005
+    window = BoundaryCalibration(window=100)
+    window.observe(torch.zeros(70))
+    window.observe(torch.ones(60))  # wraps: the window now holds 40 zeros and 60 ones
+    assert window.filled == 100 and float(window.values.sum()) == 60.0
+    tau = window.threshold()
+    assert 0 < tau <= 1 and int((window.values >= tau).sum()) == 60
+
+
+def test_training_samples_at_q_and_calibrates_the_inference_threshold():
+    model = tiny_lslm(boundary_threshold=0.9)
+    model.train()
+    with torch.no_grad():
+        output = model(**batch())
+    # Training draws Bernoulli(q_t) whatever the threshold: its rate tracks the mean q, not q >= 0.9.
+    assert abs(float(output.boundary_rate) - float(output.expected_boundary_rate)) < 0.2
+    threshold = model.config.boundary_threshold
+    assert threshold != 0.9
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(**batch())
+    assert float(evaluated.boundary_rate) == pytest.approx(float(output.expected_boundary_rate), abs=0.05)
+    fixed = tiny_lslm(boundary_threshold=0.9, calibrate_boundary_threshold=False).train()
+    with torch.no_grad():
+        fixed(**batch())
+    assert fixed.config.boundary_threshold == 0.9
+
+
+def test_defaults_follow_the_paper_and_an_unreachable_threshold_warns(caplog):
+    config = LSLMConfig()
+    assert (config.prior_mean, config.kl_weight, config.update_schedule) == (0.7, 1.0, 1)
+    assert config.calibrate_boundary_threshold is True
+    with caplog.at_level(logging.WARNING):
+        LSLMConfig(prior_mean=0.2, boundary_threshold=0.5, calibrate_boundary_threshold=False)
+    assert "inference would close almost no segment" in caplog.text
+    assert "prior_mean=0.2" in caplog.text
+    with pytest.raises(ValueError, match="calibrate_boundary_threshold='yes'"):
+        LSLMConfig(calibrate_boundary_threshold="yes")
