@@ -131,6 +131,8 @@ def lslm_config(args: argparse.Namespace, pooling: str) -> LSLMConfig:
         max_position_embeddings=max(args.train_context, args.prompt_bytes + args.new_bytes + 1),
         pooling=pooling,
         prior_mean=args.rate,
+        # `calibrate_router` makes the random router confident at a rate of q >= ½: a threshold's setting.
+        boundary_rule="threshold",
     )
 
 

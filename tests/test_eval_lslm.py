@@ -33,7 +33,8 @@ def tokenizer() -> ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def model():
-    return lslm(seed=3, pooling="hops:2")
+    # The threshold rule: the tests below switch the router off by raising the threshold.
+    return lslm(seed=3, pooling="hops:2", boundary_rule="threshold")
 
 
 def token_ids(text: str) -> torch.Tensor:

@@ -165,7 +165,7 @@ def test_decoder_cache_holds_one_segment_not_the_context():
     tensors = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
     for store in (cache.segment_store, cache.cross_store, cache.decoder_store):
         tensors += [*store.keys.values(), *store.values.values(), store.lengths]
-    tensors += [cache.token_valid, cache.byte_counts, cache.open_states, cache.open_counts]
+    tensors += [cache.token_valid, cache.byte_counts, cache.open_states, cache.open_counts, cache.rate_units]
     assert cache.num_bytes() == sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 

@@ -7,15 +7,16 @@ gradient is checked against the same pass with the reference estimator substitut
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
 
 from hf_concept.modeling import modeling_lslm
-from hf_concept.modeling.boundary_calibration import BoundaryCalibration, rate_matching_threshold
+from hf_concept.modeling.boundary_rules import crosses, rate_matched_ends, rate_units
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
-from hf_concept.modeling.routing import bernoulli_kl_from_logits, decision_confidence
+from hf_concept.modeling.routing import bernoulli_kl_from_logits, binomial_prior_nll, decision_confidence
 from hf_concept.modeling.tokenization_lslm import ByteTokenizer
 from hf_concept.reference.routing import bernoulli_kl_reference, decision_confidence_reference
 
@@ -152,45 +153,81 @@ def test_the_estimator_leaves_the_forward_value_unchanged(fixed_noise, monkeypat
     assert torch.equal(with_estimator.loss, plain.loss)
 
 
-def test_the_rate_matching_threshold_closes_the_share_training_samples():
+def test_the_rate_rule_closes_as_many_bytes_as_training_samples_on_any_text():
     torch.manual_seed(0)
-    probs = torch.distributions.Beta(2.0, 1.0).sample((20000,))
-    tau = rate_matching_threshold(probs)
-    assert abs(float((probs >= tau).float().mean()) - float(probs.mean())) < 0.005
-    window = BoundaryCalibration(window=100)
-    window.observe(torch.zeros(70))
-    window.observe(torch.ones(60))  # wraps: the window now holds 40 zeros and 60 ones
-    assert window.filled == 100 and float(window.values.sum()) == 60.0
-    tau = window.threshold()
-    assert 0 < tau <= 1 and int((window.values >= tau).sum()) == 60
+    probs = torch.rand(4, 300) ** torch.tensor([[0.2], [1.0], [3.0], [8.0]])  # four rates
+    counted = torch.rand(4, 300) < 0.9
+    starts = torch.zeros(4, 300, dtype=torch.bool)
+    starts[:, 0] = True
+    ends = rate_matched_ends(probs, counted, starts)
+    expected = (probs * counted).sum(dim=1)
+    assert ((ends.sum(dim=1) - expected).abs() <= 1).all(), (ends.sum(dim=1), expected)
+    assert not (ends & ~counted).any()
+    # A sure router keeps its decisions.
+    sure = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+    assert torch.equal(rate_matched_ends(sure, sure >= 0, starts[:1, :6]), sure.bool())
 
 
-def test_training_samples_at_q_and_calibrates_the_inference_threshold():
-    model = tiny_lslm(boundary_threshold=0.9)
+def test_the_rate_rule_restarts_per_document_and_steps_as_the_parallel_pass():
+    torch.manual_seed(1)
+    probs = torch.rand(3, 40)
+    counted = torch.ones(3, 40, dtype=torch.bool)
+    starts = torch.zeros(3, 40, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[1, 17] = True
+    parallel = rate_matched_ends(probs, counted, starts)
+    first_only = torch.zeros(1, 23, dtype=torch.bool)
+    first_only[0, 0] = True
+    alone = rate_matched_ends(probs[1:2, 17:], counted[1:2, 17:], first_only)
+    assert torch.equal(parallel[1:2, 17:], alone)
+    running, stepped = torch.zeros(1, dtype=torch.long), []
+    for column in range(40):  # row 0, one column at a time as generation does
+        units = rate_units(probs[0:1, column], counted[0:1, column])
+        stepped.append(crosses(running, running + units))
+        running = running + units
+    assert torch.equal(torch.cat(stepped), parallel[0])
+
+
+def test_inference_closes_at_the_rate_training_samples():
+    model = tiny_lslm()
     model.train()
     with torch.no_grad():
-        output = model(**batch())
-    # Training draws Bernoulli(q_t) whatever the threshold: its rate tracks the mean q, not q >= 0.9.
-    assert abs(float(output.boundary_rate) - float(output.expected_boundary_rate)) < 0.2
-    threshold = model.config.boundary_threshold
-    assert threshold != 0.9
+        trained = model(**batch())
+    # Training draws Bernoulli(q_t): its rate tracks the mean q.
+    assert abs(float(trained.boundary_rate) - float(trained.expected_boundary_rate)) < 0.2
+    assert abs(float(trained.inference_boundary_rate) - float(trained.expected_boundary_rate)) < 0.05
     model.eval()
     with torch.no_grad():
         evaluated = model(**batch())
-    assert float(evaluated.boundary_rate) == pytest.approx(float(output.expected_boundary_rate), abs=0.05)
-    fixed = tiny_lslm(boundary_threshold=0.9, calibrate_boundary_threshold=False).train()
+    assert float(evaluated.boundary_rate) == pytest.approx(float(evaluated.expected_boundary_rate), abs=0.05)
+    threshold = tiny_lslm(boundary_rule="threshold", boundary_threshold=0.99).eval()
     with torch.no_grad():
-        fixed(**batch())
-    assert fixed.config.boundary_threshold == 0.9
+        assert float(threshold(**batch()).boundary_rate) == 0.0
 
 
 def test_defaults_follow_the_paper_and_an_unreachable_threshold_warns(caplog):
     config = LSLMConfig()
     assert (config.prior_mean, config.kl_weight, config.update_schedule) == (0.7, 1.0, 1)
-    assert config.calibrate_boundary_threshold is True
+    assert (config.boundary_rule, config.prior_loss) == ("rate", "kl")
     with caplog.at_level(logging.WARNING):
-        LSLMConfig(prior_mean=0.2, boundary_threshold=0.5, calibrate_boundary_threshold=False)
+        LSLMConfig(prior_mean=0.2, boundary_threshold=0.5, boundary_rule="threshold")
     assert "inference would close almost no segment" in caplog.text
     assert "prior_mean=0.2" in caplog.text
-    with pytest.raises(ValueError, match="calibrate_boundary_threshold='yes'"):
-        LSLMConfig(calibrate_boundary_threshold="yes")
+    with pytest.raises(ValueError, match="boundary_rule='sample'"):
+        LSLMConfig(boundary_rule="sample")
+    with pytest.raises(ValueError, match="prior_loss='binomal'"):
+        LSLMConfig(prior_loss="binomal")
+
+
+def test_binomial_prior_is_dtps_count_likelihood_with_a_digamma_gradient():
+    counts = torch.tensor([0.0, 3.0, 7.0, 10.0], requires_grad=True)
+    totals = torch.tensor([10.0, 10.0, 10.0, 10.0])
+    nll = binomial_prior_nll(counts, totals, 0.7)
+    expected = -torch.distributions.Binomial(10, probs=torch.tensor(0.7)).log_prob(counts.detach())
+    torch.testing.assert_close(nll, expected, atol=1e-5, rtol=1e-5)
+    (gradient,) = torch.autograd.grad(nll.sum(), counts)
+    k = counts.detach()
+    analytic = torch.digamma(k + 1) - torch.digamma(totals - k + 1) - math.log(0.7 / 0.3)
+    torch.testing.assert_close(gradient, analytic, atol=1e-5, rtol=1e-5)
+    # The most likely count, p·n = 7, is where the gradient changes sign.
+    assert gradient[1] < 0 < gradient[3]

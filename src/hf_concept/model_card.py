@@ -232,7 +232,7 @@ def family_settings(family: str, config) -> dict[str, Any]:
     elif family == "lslm":
         names = ("token_encoder_layers", "segment_encoder_layers", "decoder_layers", "token_hidden_size")
         names += ("hidden_size", "decoder_hidden_size", "pooling", "prior_mean", "kl_weight")
-        names += ("update_schedule", "boundary_threshold", "calibrate_boundary_threshold", "vocab_size")
+        names += ("update_schedule", "boundary_threshold", "boundary_rule", "prior_loss", "vocab_size")
         values = {name: get(name) for name in names}
     else:
         names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

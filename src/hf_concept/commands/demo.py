@@ -3,7 +3,8 @@
 1. Trains the bundled byte-level BPE tokenizer (`hf_concept.data.bpe`, cached after the first run) and a
    small Llama-style source model (`transformers.LlamaForCausalLM`) on the bundled corpus with `Trainer`.
 2. Converts the source to ConceptMoE (R = 2) and to Hidden Decoding (n = 2) with the conversion APIs and
-   fine-tunes each briefly with `hf_concept.training.ConceptTrainer`.
+   fine-tunes each briefly with `hf_concept.training.ConceptTrainer`; trains a small byte-level LSLM from
+   scratch (`demo_lslm`) and shows its learned segmentation and its training vs inference boundary rates.
 3. Generates from a prompt with each model's cache, shows the learned segmentation of a sentence, and
    prints one table: validation loss, realised compression (tokens per concept), KV-cache bytes after a
    fixed prompt and generation, prefill and decode speed, the last three relative to the source model.
@@ -144,28 +145,34 @@ def run(args: argparse.Namespace) -> int:
 def _run_in(output_dir: Path, sizes: DemoSizes, seed: int, keep: bool) -> int:
     import torch
 
+    from hf_concept.commands.demo_lslm import LSLM_QUICK, LSLMDemoSizes, run_lslm_stage
+
+    lslm_sizes = LSLM_QUICK if sizes == QUICK else LSLMDemoSizes()
+
     from hf_concept.data.bpe import bundled_tokenizer
 
     started = time.perf_counter()
     _threads_for_load()
-    _stage("1/6 tokenizer and data")
+    _stage("1/7 tokenizer and data")
     tokenizer = bundled_tokenizer()
     data = DemoData.build(tokenizer, sizes, seed)
     print(f"  byte-level BPE, {len(tokenizer)} tokens; corpus {data.describe()}")
     with tempfile.TemporaryDirectory(prefix="hf-concept-demo-work-") as work:
         work = Path(work)
-        _stage("2/6 source model: LlamaForCausalLM trained on the bundled corpus")
+        _stage("2/7 source model: LlamaForCausalLM trained on the bundled corpus")
         source, results = train_source(tokenizer, data, sizes, seed, output_dir / "source", work)
         models = {"source": source}
-        _stage(f"3/6 ConceptMoE (R = {sizes.compression_ratio:g}): convert, fine-tune with ConceptTrainer")
+        _stage(f"3/7 ConceptMoE (R = {sizes.compression_ratio:g}): convert, fine-tune with ConceptTrainer")
         models["conceptmoe"], results["conceptmoe"] = convert_and_finetune(
             "conceptmoe", output_dir / "source", work, data, sizes, seed
         )
-        _stage(f"4/6 Hidden Decoding (n = {sizes.num_streams}): convert, fine-tune with ConceptTrainer")
+        _stage(f"4/7 Hidden Decoding (n = {sizes.num_streams}): convert, fine-tune with ConceptTrainer")
         models["hidden_decoding"], results["hidden_decoding"] = convert_and_finetune(
             "hidden_decoding", output_dir / "source", work, data, sizes, seed
         )
-    _stage("5/6 evaluate, generate with the caches, segment, measure speed")
+        _stage("5/7 LSLM: a byte-level model trained from scratch, its learned segments and boundary rates")
+        run_lslm_stage(lslm_sizes, seed, work, SEGMENT_SENTENCE)
+    _stage("6/7 evaluate, generate with the caches, segment, measure speed")
     for name, model in models.items():
         model.eval()
         results[name].eval_loss, results[name].tokens_per_concept = evaluate(model, data.validation, sizes)
@@ -173,7 +180,7 @@ def _run_in(output_dir: Path, sizes: DemoSizes, seed: int, keep: bool) -> int:
         print(f"  [{ROW_NAMES[name]}] {results[name].generated!r}")
     show_segmentation(models["conceptmoe"], tokenizer)
     measure_speed(models, data, sizes, results)
-    _stage("6/6 save checkpoints and reload them with trust_remote_code in a fresh process")
+    _stage("7/7 save checkpoints and reload them with trust_remote_code in a fresh process")
     folders = save_checkpoints(models, tokenizer, output_dir, results)
     check_fresh_process(models, folders, data)
     print_table(results, sizes)

@@ -12,15 +12,18 @@ objective is the ELBO: cross-entropy of the decoder's bytes and `<nxt>` markers 
 boundary posterior to Bernoulli(`prior_mean`) (a Beta(a, b) prior has mean a / (a + b): give `prior_alpha`
 and `prior_beta` instead). `update_schedule` = k: k generator steps, then one inference-network step.
 Defaults follow the paper's best setting: prior mean 0.7, β = `kl_weight` = 1, interleaving with k = 1.
+`prior_loss="binomial"` replaces the per-byte KL by DTP's count prior (−log Binomial(k; n, prior_mean) of
+each row's k sampled boundaries in n free bytes, straight-through to every sample, weighted by
+`kl_weight`): dynamic pooling without the variational prior, the paper's DTP baseline in this
+architecture (DTP's own hourglass model is not implemented here).
 
-Inference thresholds q_t at `boundary_threshold`. Training samples a boundary with probability q_t
-(σ(p̂ + g′ − g″) ≥ ½ is a Bernoulli(q_t) draw), so a fixed ½ gives another rate than training whenever the
-router is not sure (q_t = 0.7 everywhere: training closes 70% of the bytes, a threshold of ½ closes all).
-With `calibrate_boundary_threshold` (default) every training forward re-fits the threshold to the recent
-training posteriors: it is set to the (1 − r) quantile of the last 65,536 free bytes' q_t, r being their
-mean, so that thresholding closes segments at the rate training samples them, and generation segments
-the way the model was trained. The threshold is saved with the config; set the flag False to keep a fixed
-one (a fixed threshold at or above `prior_mean` is warned about: inference would close almost nothing).
+Inference decides with `boundary_rule`. Training samples a boundary with probability q_t (σ(p̂ + g′ − g″)
+≥ ½ is a Bernoulli(q_t) draw), so it closes Σ q_t bytes of a text in expectation. "rate" (default) closes
+byte t when the running sum of q over the document passes a half-integer there (`boundary_rules`): the
+same rate as training on every text, deterministic and causal, and the decision of a sure router (q near
+0 or 1) unchanged. "threshold" closes where q_t ≥ `boundary_threshold`, which closes every byte or none
+while the router is unsure (q_t ≈ 0.7 everywhere under the default prior); a threshold at or above
+`prior_mean` is warned about. Checkpoints saved before `boundary_rule` existed load with "rate".
 
 `check_fields` raises `ValueError` naming the field and the value.
 """
@@ -36,6 +39,9 @@ from .configuration_plain import MAX_COUNT, PlainDecoderConfig, _check_int, _che
 from .pooling import parse_pooling_method
 
 logger = logging.get_logger(__name__)
+
+PRIOR_LOSSES = ("kl", "binomial")
+BOUNDARY_RULES = ("rate", "threshold")
 
 # The model tells padding, sequence start and end and the segment markers apart by id alone.
 SPECIAL_ID_FIELDS = (
@@ -57,7 +63,7 @@ class LSLMConfig(PlainDecoderConfig):
         "kl_loss",
         "boundary_rate",
         "expected_boundary_rate",
-        "threshold_boundary_rate",
+        "inference_boundary_rate",
         "bits_per_byte",
         "hidden_states",
     ]
@@ -82,9 +88,10 @@ class LSLMConfig(PlainDecoderConfig):
     prior_alpha: float | None = None
     prior_beta: float | None = None
     kl_weight: float = 1.0
+    prior_loss: str = "kl"
     update_schedule: int = 1
     boundary_threshold: float = 0.5
-    calibrate_boundary_threshold: bool = True
+    boundary_rule: str = "rate"
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -143,11 +150,12 @@ class LSLMConfig(PlainDecoderConfig):
         self._check_special_ids()
         self._check_prior()
         _check_number("kl_weight", self.kl_weight)
+        if self.prior_loss not in PRIOR_LOSSES:
+            raise ValueError(f"prior_loss={self.prior_loss!r} must be one of {', '.join(PRIOR_LOSSES)}")
         _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="()")
-        if not isinstance(self.calibrate_boundary_threshold, bool):
-            raise ValueError(
-                f"calibrate_boundary_threshold={self.calibrate_boundary_threshold!r} must be True or False"
-            )
+        if self.boundary_rule not in BOUNDARY_RULES:
+            rules = ", ".join(BOUNDARY_RULES)
+            raise ValueError(f"boundary_rule={self.boundary_rule!r} must be one of {rules}")
         self._warn_unreachable_threshold()
         if self.sliding_window is not None or self.num_experts != 0:
             raise ValueError(
@@ -158,13 +166,12 @@ class LSLMConfig(PlainDecoderConfig):
     def _warn_unreachable_threshold(self) -> None:
         """A fixed threshold at or above the prior mean is one the KL term pulls q_t away from: inference
         would close (almost) no segment while training samples them at about `prior_mean`."""
-        if self.calibrate_boundary_threshold or self.prior_mean > self.boundary_threshold:
+        if self.boundary_rule != "threshold" or self.prior_mean > self.boundary_threshold:
             return
         logger.warning_once(
             f"boundary_threshold={self.boundary_threshold!r} with prior_mean={self.prior_mean!r} and "
-            "calibrate_boundary_threshold=False: the KL term pulls q_t toward the prior, below the "
-            "threshold, so inference would close almost no segment. Lower boundary_threshold or set "
-            "calibrate_boundary_threshold=True."
+            "boundary_rule='threshold': the KL term pulls q_t toward the prior, below the threshold, so "
+            "inference would close almost no segment. Use boundary_rule='rate' or a lower threshold."
         )
 
     def _check_stages(self) -> None:

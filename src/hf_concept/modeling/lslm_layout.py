@@ -49,6 +49,10 @@ class Segmentation:
     index: torch.Tensor
     opens: torch.Tensor
     confidence: torch.Tensor | None = None
+    # The Gumbel-sigmoid samples ẑ_t in training (q_t in eval): straight-through counts are built on it.
+    relaxed: torch.Tensor | None = None
+    # What inference would decide on these bytes (`boundary_rule`), for the logged inference rate.
+    inferred: torch.Tensor | None = None
 
 
 @dataclass
@@ -187,3 +191,19 @@ def closed_segments(segmentation: Segmentation, view: ByteView) -> torch.Tensor:
     count = (segmentation.index.max(dim=1).values + 1).clamp(min=0)
     last_open = view.mask[:, -1] & ~segmentation.ends[:, -1] if view.mask.shape[1] else count.bool()
     return count - last_open.long()
+
+
+def slot_confidence(
+    segmentation: Segmentation, slot: torch.Tensor, bos_slot: torch.Tensor, sink: int, total: int
+) -> torch.Tensor:
+    """(B, total) confidence of the decision each decoder slot stands for: a byte's slot, that of its own
+    decision; a segment's `<bos>` slot, that of the close before it (1 at a document's first segment,
+    whose opening no router decided; 1 at the pending slots). `slot`/`bos_slot` (B, T) map view bytes to
+    the `sink` segment slots (`sink` itself: no slot)."""
+    confidence = segmentation.confidence
+    table = confidence.new_ones(confidence.shape[0], total + 1)
+    table[:, : sink + 1].scatter_(1, slot, confidence)
+    table[:, : sink + 1].scatter_(1, bos_slot, _previous(confidence, 1.0))
+    # The sink column received what belongs to no slot; the pending slots after it keep 1.
+    table[:, sink] = 1.0
+    return torch.cat([table[:, :sink], table[:, sink + 1 :]], dim=1)[:, :total]

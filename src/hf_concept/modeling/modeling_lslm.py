@@ -13,19 +13,24 @@ segment exactly as the cached steps did.
 
 Pass, per row (left padding and packed documents allowed):
 1. token encoder over the row's bytes (causal within a document, at Dt);
-2. boundaries z_t (byte t ends a segment): q_t = σ(sum FFN(h_t)); training samples σ(p̂ + g′ − g″) ≥ ½
-   (a straight-through factor carries the gradient), inference thresholds q_t at `boundary_threshold`;
+2. boundaries z_t (byte t ends a segment): q_t = σ(sum FFN(h_t)); training samples σ(p̂ + g′ − g″) ≥ ½,
+   a Bernoulli(q_t) draw; inference decides by `boundary_rule` ("rate": where the document's running
+   sum of q passes a half-integer, `boundary_rules`; "threshold": q_t ≥ `boundary_threshold`);
    `<BoS>`, `<eos>`, a byte before a marker and the last byte of a packed document always end a
    segment, pads never do;
-3. segments pooled (`mean` or `hops:N`, the segment's own bytes only), times the straight-through factor
-   of their closing byte, projected to D;
+3. segments pooled (`mean` or `hops:N`, the segment's own bytes only), projected to D. In training each
+   byte enters its segment, and its decoder slot, times the straight-through confidence of its own
+   decision (`routing.decision_confidence`: value 1, gradient to its sample), so the LM loss reaches
+   every boundary decision;
 4. segment encoder (causal over the segments of a document; RoPE at the segment's ordinal);
 5. decoder over slots: segment m is written as [`<bos>`, its bytes] and predicts [its bytes, `<nxt>`];
    self-attention within the segment (causal), cross-attention to the encoded segments before m in its
    document plus a learned null segment (so the first segment has something to read);
 6. the ELBO: cross-entropy over the decoder's targets (bytes and `<nxt>`; nothing is predicted for
    `<BoS>`'s segment or after `<eos>`) + `kl_weight` · KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean)) over the
-   bytes whose boundary is not forced. `bits_per_byte` = the cross-entropy of byte targets alone / ln 2.
+   bytes whose boundary is not forced (log-space, `routing.bernoulli_kl_from_logits`; or DTP's binomial
+   count prior with `prior_loss="binomial"`), summed and divided by the step's predicted bytes (see
+   `LSLMForCausalLM`). `bits_per_byte` = the cross-entropy of byte targets alone / ln 2.
 
 Per-token logits (the causal-LM interface) predict the input token after each column: the slot of the
 column's byte while its segment is open; once the segment has closed (by the byte: router, `<BoS>`,
@@ -51,14 +56,15 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_outputs import BaseModelOutput, ModelOutput
 
-from .boundary_calibration import BoundaryCalibration
+from .boundary_rules import rate_matched_ends
 from .chunking import concept_attention_mask
-from .concept_stack import ConfigView
 from .configuration_lslm import LSLMConfig
 from .forward_only_cache import adopt_cache
-from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, residual_body
+from .layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from .lslm_generation import SegmentCacheSteps
+from .lslm_layers import BoundaryRouter, SegmentDecoderLayer, stage_config
 from .lslm_layout import (
     ByteView,
     DecoderSlots,
@@ -70,113 +76,33 @@ from .lslm_layout import (
     byte_view,
     closed_segments,
     document_causal_mask,
+    slot_confidence,
     token_slots,
 )
+from .lslm_loss import boundary_metrics, label_targets, prior_loss_sum
 from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
-from .pooling import chunk_index, pool_concepts, pool_open_chunk
-from .routing import bernoulli_kl_from_logits, decision_confidence, gumbel_sigmoid, sample_gumbel_noise
+from .pooling import chunk_index, pool_concepts
+from .routing import (
+    decision_confidence,
+    gumbel_sigmoid,
+    sample_gumbel_noise,
+)
 from .segment_cache import RaggedStore, SegmentCache
 from .tokenization_lslm import BYTE_OFFSET
-
-
-def stage_config(config: LSLMConfig, stage: str) -> ConfigView:
-    """The config seen by the "token" encoder or the "decoder": its own width, heads and MLP width."""
-    heads = getattr(config, f"{stage}_num_attention_heads")
-    return ConfigView(
-        config,
-        hidden_size=getattr(config, f"{stage}_hidden_size"),
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=config.stage_head_dim(stage),
-        intermediate_size=getattr(config, f"{stage}_intermediate_size"),
-    )
-
-
-class BoundaryRouter(nn.Module):
-    """The inference network q(z_t | x_<=t): p̂_t = sum of FFN(h_t) (ReLU FFN), LSLM eq. 2."""
-
-    def __init__(self, width: int, intermediate: int) -> None:
-        super().__init__()
-        self.fc_in = nn.Linear(width, intermediate)
-        self.fc_out = nn.Linear(intermediate, width)
-
-    def forward(self, token_states: torch.Tensor) -> torch.Tensor:
-        """(B, T, Dt) -> (B, T) float32 logits p̂_t."""
-        return self.fc_out(F.relu(self.fc_in(token_states))).float().sum(dim=-1)
-
-
-class SegmentCrossAttention(nn.Module):
-    """Decoder slots (Dd) attend to encoded segments (D) and a null segment, under a boolean mask."""
-
-    def __init__(self, config: LSLMConfig) -> None:
-        super().__init__()
-        self.num_heads = config.decoder_num_attention_heads
-        self.head_dim = config.stage_head_dim("decoder")
-        width, segment_width = config.decoder_hidden_size, config.hidden_size
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(segment_width, self.num_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(segment_width, self.num_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, width, bias=False)
-
-    def project_segments(self, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, M, D) segments -> keys and values (B, H, M, K), computed once per segment."""
-        shape = (*segments.shape[:2], self.num_heads, -1)
-        key = self.k_proj(segments).view(shape).transpose(1, 2)
-        return key, self.v_proj(segments).view(shape).transpose(1, 2)
-
-    def forward(
-        self, slot_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
-    ) -> torch.Tensor:
-        """(B, S, Dd) slots, (B, H, M, K) keys/values of null + segments, (B, S, M) bool -> (B, S, Dd)."""
-        batch, slots, _ = slot_states.shape
-        query = self.q_proj(slot_states).view(batch, slots, self.num_heads, -1).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None])
-        return self.o_proj(attended.transpose(1, 2).reshape(batch, slots, -1))
-
-
-class SegmentDecoderLayer(DecoderLayer):
-    """`DecoderLayer` at the decoder's width plus cross-attention to the segments before the slot's own."""
-
-    def __init__(self, config: LSLMConfig, layer_idx: int) -> None:
-        super().__init__(stage_config(config, "decoder"), layer_idx)
-        width = config.decoder_hidden_size
-        self.cross_attention_layernorm = RMSNorm(width, eps=config.rms_norm_eps)
-        self.cross_attn = SegmentCrossAttention(config)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cross_keys: torch.Tensor,
-        cross_values: torch.Tensor,
-        cross_allowed: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values=None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        def cross(states: torch.Tensor) -> torch.Tensor:
-            normed = self.cross_attention_layernorm(states)
-            return self.cross_attn(normed, cross_keys, cross_values, cross_allowed)
-
-        return residual_body(
-            self,
-            hidden_states,
-            cross,
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-        )
 
 
 @dataclass
 class LSLMCausalLMOutput(ModelOutput):
     """Per-token logits plus the ELBO's parts (detached metrics): `lm_loss` (decoder cross-entropy, nats
     per target), `kl_loss`, `boundary_rate` (segment ends per free byte: sampled in training,
-    thresholded in eval), `expected_boundary_rate` (mean q_t), `threshold_boundary_rate` (share of q_t at
-    or above `boundary_threshold`: inference's rate on the same bytes), `bits_per_byte`,
+    the inference rule in eval), `expected_boundary_rate` (mean q_t), `inference_boundary_rate` (the share
+    the inference rule closes on the same bytes), `bits_per_byte`,
     `compression_ratio` (bytes per segment) and `boundaries` (B, T) bool, True where an input token opens
-    a segment (DESIGN §3: b_t = 1; markers never open one)."""
+    a segment (DESIGN §3: b_t = 1; markers never open one). `loss` is defined in `LSLMForCausalLM`.
+
+    `hidden_states` (with `output_hidden_states`, parallel pass only; None for cached steps): as
+    `LSLMModelOutput.hidden_states`."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -185,10 +111,61 @@ class LSLMCausalLMOutput(ModelOutput):
     kl_loss: torch.Tensor | None = None
     boundary_rate: torch.Tensor | None = None
     expected_boundary_rate: torch.Tensor | None = None
-    threshold_boundary_rate: torch.Tensor | None = None
+    inference_boundary_rate: torch.Tensor | None = None
     bits_per_byte: torch.Tensor | None = None
     compression_ratio: torch.Tensor | None = None
     boundaries: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class LSLMModelOutput(BaseModelOutput):
+    """What `LSLMModel.forward` returns.
+
+    `last_hidden_state` (B, T, Dd): for each input column, the normed decoder state whose `lm_head`
+    projection is `LSLMForCausalLM`'s logits there (the slot of the column's byte while its segment is
+    open, else the `<bos>` slot of the document's next segment; see the module docstring).
+    `hidden_states` (with `output_hidden_states`): token-encoder layers + 1 tensors of (B, T, Dt), the
+    input of each token-encoder layer (the first is the byte embeddings) and then the encoder's normed
+    output (what the router and the pooling read), each at the input column of its byte; columns that
+    hold no byte (pads, `<bos>`/`<nxt>` markers) are zero, since the token encoder never reads them.
+    `boundaries` (B, T) bool: True where an input token opens a segment.
+    """
+
+    boundaries: torch.Tensor | None = None
+
+
+@dataclass
+class LSLMPass:
+    """One parallel pass, what the heads read: the real-column `mask` (B, T), the `view`, the
+    `segmentation` and decoder `slots`, the (B, S, Dd) normed `slot_states`, `column_slots` (B, T) (the
+    slot each input column reports, `lslm_layout.token_slots`), `boundaries` (B, T), the `hidden_states`
+    tuple (or None) and the `cache` it filled (or None)."""
+
+    mask: torch.Tensor
+    view: ByteView
+    segmentation: Segmentation
+    slots: DecoderSlots
+    slot_states: torch.Tensor
+    column_slots: torch.Tensor
+    boundaries: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None
+    cache: SegmentCache | None
+
+    def column_states(self) -> torch.Tensor:
+        """(B, T, Dd) the slot state each input column reports."""
+        index = self.column_slots[..., None].expand(-1, -1, self.slot_states.shape[-1])
+        return torch.gather(self.slot_states, 1, index)
+
+
+INPUTS_EMBEDS_MESSAGE = "LSLM reads byte ids: inputs_embeds is not supported, pass input_ids"
+
+
+def at_input_columns(states: torch.Tensor, view: ByteView) -> torch.Tensor:
+    """(B, T, ·) states of the view's columns -> the same states at their input columns (the view's
+    `order` is a permutation), zero where the view holds no byte."""
+    states = states * view.mask[..., None].to(states.dtype)
+    return torch.zeros_like(states).scatter(1, view.order[..., None].expand_as(states), states)
 
 
 class LSLMPreTrainedModel(PreTrainedModel):
@@ -202,6 +179,9 @@ class LSLMPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_sdpa = True
     _supports_attention_backend = False
+    # ConceptTrainer: none of the logged metrics is a num_items_in_batch share (only `loss` is normalised
+    # by the step's predicted bytes; lm_loss, kl_loss, ... are this batch's means).
+    metric_share_fields: ClassVar[tuple[str, ...]] = ()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -211,8 +191,9 @@ class LSLMPreTrainedModel(PreTrainedModel):
             init_backbone_weights(module, self.config.initializer_range)
 
 
-class LSLMModel(LSLMPreTrainedModel):
-    """Encoders, router and decoder of an LSLM; `forward` returns the decoder's slot states."""
+class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
+    """Encoders, router and decoder of an LSLM; `forward` returns the byte-level decoder states
+    (`LSLMModelOutput`), `parallel_pass` everything a head reads."""
 
     def __init__(self, config: LSLMConfig) -> None:
         super().__init__(config)
@@ -246,22 +227,108 @@ class LSLMModel(LSLMPreTrainedModel):
         self.rotary_emb = RotaryEmbedding.from_config(config)
         self.decoder_rotary_emb = RotaryEmbedding.from_config(decoder_config)
         self.gradient_checkpointing = False
-        # Not a buffer: a window of training posteriors, not weights (its result lives in the config).
-        self.boundary_calibration = BoundaryCalibration()
         self.post_init()
 
     def new_cache(self) -> SegmentCache:
         """An empty `SegmentCache` for this model."""
         return SegmentCache(self.config.token_encoder_layers)
 
-    def encode_tokens(self, view: ByteView, cache: SegmentCache | None = None) -> torch.Tensor:
-        """(B, T, Dt) causal token states of the view's bytes (packed documents kept apart)."""
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> LSLMModelOutput | tuple:
+        """(B, T) ids -> `LSLMModelOutput`: the byte-level states `LSLMForCausalLM.lm_head` reads."""
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError(INPUTS_EMBEDS_MESSAGE)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        layout = self.parallel_pass(
+            input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
+        )
+        output = LSLMModelOutput(
+            last_hidden_state=layout.column_states(),
+            hidden_states=layout.hidden_states,
+            boundaries=layout.boundaries,
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
+
+    def parallel_pass(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: SegmentCache | None = None,
+        output_hidden_states: bool = False,
+        cache_required: bool = True,
+    ) -> LSLMPass:
+        """Every segment at once (training, full recomputation, the prefill of generation); fills `cache`
+        when given. A cache continues one document per row: with packed rows it is refused, or dropped
+        (not filled, `LSLMPass.cache` None) when not `cache_required` (the config's default cache)."""
+        batch, length = input_ids.shape
+        mask = token_mask(attention_mask, (batch, length), input_ids.device)
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, length, 0, input_ids.device)
+        starts = document_starts(mask, position_ids.expand(batch, -1))
+        view = byte_view(input_ids, mask, starts, self.config)
+        if cache is not None and bool((view.input_documents.amax(dim=1) > 1).any()):
+            if cache_required:
+                raise ValueError("use_cache with packed documents: generation continues one document per row")
+            cache = None
+        layer_states = [] if output_hidden_states else None
+        token_states = self.encode_tokens(view, cache, layer_states)
+        segmentation = self.segment(view, token_states)
+        segment_store = None
+        if cache is not None:
+            segment_store = cache.segment_store
+            segment_store.fill(closed_segments(segmentation, view))
+        segments, segment_valid, segment_documents = self.encode_segments(
+            token_states, segmentation, view, segment_store
+        )
+        slots = self.decoder_slots(view, segmentation)
+        slot_states = self.decode(slots, segments, segment_valid, segment_documents)  # (B, S, Dd)
+        if cache is not None:
+            self.fill_cache(cache, view, token_states, segmentation, segments)
+            cache.items = length
+        hidden_states = None
+        if layer_states is not None:
+            hidden_states = tuple(at_input_columns(states, view) for states in layer_states)
+        return LSLMPass(
+            mask=mask,
+            view=view,
+            segmentation=segmentation,
+            slots=slots,
+            slot_states=slot_states,
+            column_slots=token_slots(view, segmentation, slots),
+            boundaries=torch.zeros_like(mask).scatter_(1, view.order, segmentation.opens),
+            hidden_states=hidden_states,
+            cache=cache,
+        )
+
+    def encode_tokens(
+        self,
+        view: ByteView,
+        cache: SegmentCache | None = None,
+        layer_states: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """(B, T, Dt) causal token states of the view's bytes (packed documents kept apart); appends each
+        layer's input and the normed output to `layer_states` when given (`output_hidden_states`)."""
         states = self.embed_tokens(view.ids)
         mask = document_causal_mask(view.mask, view.documents)
         rope = self.token_rotary_emb(states, view.position_ids)
         for layer in self.token_layers:
+            if layer_states is not None:
+                layer_states.append(states)
             states, _ = layer(states, attention_mask=mask, position_embeddings=rope, past_key_values=cache)
-        return self.token_norm(states)
+        states = self.token_norm(states)
+        if layer_states is not None:
+            layer_states.append(states)
+        return states
 
     def segment(self, view: ByteView, token_states: torch.Tensor) -> Segmentation:
         """Boundaries (see the module docstring) and each byte's segment."""
@@ -272,31 +339,30 @@ class LSLMModel(LSLMPreTrainedModel):
         next_starts = F.pad(view.starts, (0, 1), value=False)[:, 1:]
         special = (view.ids == config.bos_token_id) | (view.ids == _first_id(config.eos_token_id))
         forced = (special | next_starts | view.marker_ends) & mask
+        # What inference decides (also in training, for the logged inference rate).
+        inferred = self.inference_decisions(probs, mask & ~special, view.starts)
         if self.training:
             # LSLM eq. 5-6: the Gumbel-sigmoid sample at ½ is a Bernoulli(q_t) draw.
             relaxed = gumbel_sigmoid(logits, *sample_gumbel_noise(tuple(logits.shape), device=logits.device))
             decided = relaxed >= 0.5
-            self.calibrate(probs, mask & ~forced)
         else:
-            relaxed = probs
-            decided = probs >= config.boundary_threshold
+            relaxed, decided = probs, inferred
         content_ends = (decided | special) & mask
         ends = content_ends | forced
         opens = (_previous(ends, False) | view.starts) & mask
         # Training only: the eval forward (and so generation's exactness) never sees the estimator.
         confidence = decision_confidence(relaxed, ends, mask & ~forced) if self.training else None
         index = chunk_index(opens, mask)
-        return Segmentation(ends, logits, probs, forced, content_ends, index, opens, confidence)
+        return Segmentation(
+            ends, logits, probs, forced, content_ends, index, opens, confidence, relaxed, inferred & mask
+        )
 
-    def calibrate(self, probs: torch.Tensor, free: torch.Tensor) -> None:
-        """Training: move `boundary_threshold` to the rate-matching threshold of the recent posteriors
-        (`boundary_calibration`), when `calibrate_boundary_threshold`."""
-        if not self.config.calibrate_boundary_threshold:
-            return
-        self.boundary_calibration.observe(probs.detach()[free])
-        threshold = self.boundary_calibration.threshold()
-        if threshold is not None:
-            self.config.boundary_threshold = threshold
+    def inference_decisions(self, probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor):
+        """(B, T) bool: the router's closes at inference under `boundary_rule` ("rate": `boundary_rules`,
+        over the `counted` bytes of each document; "threshold": q_t >= `boundary_threshold`)."""
+        if self.config.boundary_rule == "rate":
+            return rate_matched_ends(probs, counted, starts)
+        return (probs >= self.config.boundary_threshold) & counted
 
     def encode_segments(
         self, token_states, segmentation: Segmentation, view: ByteView, store: RaggedStore | None = None
@@ -412,173 +478,23 @@ class LSLMModel(LSLMPreTrainedModel):
             )
         return self.decoder_norm(states)
 
-    # Generation: the parallel pass fills a SegmentCache, then `step` advances it one input column.
-
-    def fill_cache(self, cache: SegmentCache, view: ByteView, token_states, segmentation, segments) -> None:
-        """Complete `cache` after a parallel pass over one document per row (its token-encoder K/V and
-        segment-encoder K/V were stored during the pass): cross K/V, the open segment, decoder K/V."""
-        closed = cache.segment_store.lengths  # the closed-segment count, set before the pass
-        count = (segmentation.index.max(dim=1).values + 1).clamp(min=0)
-        cache.token_valid, cache.byte_counts = view.mask, view.mask.sum(dim=1)
-        table = torch.cat(
-            [self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1), segments], 1
-        )
-        cache.cross_store.fill(closed + 1)
-        for layer in self.decoder_layers:
-            cache.cross_store.update(*layer.cross_attn.project_segments(table), layer.layer_idx)
-        # The open segment's bytes, left-aligned (the view's bytes sit at the right end of each row).
-        in_open = view.mask & (segmentation.index == (count - 1)[:, None]) & (closed < count)[:, None]
-        cache.open_counts = in_open.sum(dim=1)
-        width = int(cache.open_counts.max()) if in_open.numel() else 0
-        order = torch.sort((~in_open).long(), dim=1, stable=True).indices[:, :width]
-        cache.open_states = torch.gather(
-            token_states, 1, order[..., None].expand(-1, -1, token_states.shape[-1])
-        )
-        ids = torch.gather(view.ids, 1, order)
-        ids = torch.cat([ids.new_full((ids.shape[0], 1), self.config.segment_start_token_id), ids], dim=1)
-        lengths = cache.open_counts + 1
-        self.run_decoder_slots(cache, ids, lengths)
-
-    def run_decoder_slots(self, cache: SegmentCache, ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Fill the decoder store with (B, n) left-aligned slots [`<bos>`, open bytes] of `lengths` each."""
-        store = cache.decoder_store
-        store.fill(lengths)
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        valid = positions < lengths[:, None]
-        self_allowed = document_causal_mask(valid, valid.long())
-        states = self.decoder_embed_tokens(ids)
-        rope = self.decoder_rotary_emb(states, positions)
-        self.decoder_pass(cache, states, self_allowed, rope)
-
-    def decoder_pass(self, cache: SegmentCache, states, self_allowed, rope) -> torch.Tensor:
-        """Decoder layers over new slots, self K/V into the decoder store, cross K/V from the cross store."""
-        cross = cache.cross_store
-        cross_allowed = cross.allowed()[:, None, :].expand(-1, states.shape[1], -1)
-        width = cross_allowed.shape[-1]
-        for layer in self.decoder_layers:
-            keys = cross.keys[layer.layer_idx][:, :, :width]
-            values = cross.values[layer.layer_idx][:, :, :width]
-            states, _ = layer(
-                states,
-                keys,
-                values,
-                cross_allowed,
-                attention_mask=self_allowed,
-                position_embeddings=rope,
-                past_key_values=cache.decoder_store,
-            )
-        return self.decoder_norm(states)
-
-    def step(self, input_ids: torch.Tensor, real: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
-        """One input column: (B,) ids and (B,) real flags -> (B, Dd) normed decoder state of its logits.
-
-        A byte feeds the token encoder and the router; it closes its segment when the router (or `<BoS>`
-        / `<eos>`) says so, a marker closes any open segment; after a close the decoder restarts at
-        `<bos>` with one more segment to read. Pads (real = False) change nothing.
-        """
-        config = self.config
-        is_marker = real & (
-            (input_ids == config.segment_start_token_id) | (input_ids == config.segment_end_token_id)
-        )
-        is_byte = real & ~is_marker
-        token_states = self.token_step(input_ids, is_byte, cache)  # (B, Dt)
-        probs = torch.sigmoid(self.router(token_states[:, None]))[:, 0]
-        special = (input_ids == config.bos_token_id) | (input_ids == _first_id(config.eos_token_id))
-        content_ends = is_byte & ((probs >= config.boundary_threshold) | special)
-        cache.push_open_states(token_states, is_byte)
-        closing = content_ends | (is_marker & (cache.open_counts > 0))
-        if bool(closing.any()):
-            self.close_segments(cache, closing)
-        restart = closing | is_marker
-        store = cache.decoder_store
-        store.reset(restart)
-        ids = torch.where(restart, config.segment_start_token_id, input_ids)[:, None]
-        states = self.decoder_embed_tokens(ids)
-        rope = self.decoder_rotary_emb(states, store.lengths[:, None])
-        store.begin(real)
-        states = self.decoder_pass(cache, states, store.allowed()[:, None, None, :], rope)
-        store.end()
-        cache.items += 1
-        return states[:, 0]
-
-    def token_step(self, input_ids: torch.Tensor, is_byte: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
-        """Token encoder over one column; non-byte rows leave an unattended hole. -> (B, Dt)."""
-        valid = torch.cat([cache.token_valid, is_byte[:, None]], dim=1)
-        allowed = valid.clone()
-        allowed[:, -1] = True  # a non-byte row reads at least itself (unused, finite)
-        states = self.embed_tokens(input_ids[:, None])
-        rope = self.token_rotary_emb(states, cache.byte_counts[:, None])
-        for layer in self.token_layers:
-            states, _ = layer(
-                states,
-                attention_mask=allowed[:, None, None, :],
-                position_embeddings=rope,
-                past_key_values=cache,
-            )
-        cache.token_valid = valid
-        cache.byte_counts = cache.byte_counts + is_byte.long()
-        return self.token_norm(states)[:, 0]
-
-    def close_segments(self, cache: SegmentCache, closing: torch.Tensor) -> None:
-        """Pool the open segment of the `closing` (B,) rows, encode it, append its cross K/V."""
-        # (B, 1, Dt); rows with nothing open pool to zeros, unused
-        pooled = pool_open_chunk(cache.open_states, cache.open_counts, self.config.pooling)
-        if self.segment_in_proj is not None:
-            pooled = self.segment_in_proj(pooled)
-        store = cache.segment_store
-        rope = self.rotary_emb(pooled, store.lengths[:, None])
-        store.begin(closing)
-        allowed = store.allowed()[:, None, None, :]
-        states = pooled
-        for layer in self.segment_layers:
-            states, _ = layer(states, attention_mask=allowed, position_embeddings=rope, past_key_values=store)
-        store.end()
-        states = self.segment_norm(states)
-        cache.cross_store.begin(closing)
-        for layer in self.decoder_layers:
-            cache.cross_store.update(*layer.cross_attn.project_segments(states), layer.layer_idx)
-        cache.cross_store.end()
-        cache.open_counts = cache.open_counts.masked_fill(closing, 0)
-
-
-def boundary_metrics(segmentation: Segmentation, free: torch.Tensor, threshold: float) -> dict:
-    """Detached boundary rates over the `free` bytes (no forced end): `boundary_rate`, the ends this pass
-    used (sampled in training, thresholded in eval); `expected_boundary_rate`, the mean q_t (the rate
-    training samples at); `threshold_boundary_rate`, the share with q_t >= `threshold` (what inference
-    would close on the same bytes). None when no byte is free."""
-    if not bool(free.any()):
-        return dict(boundary_rate=None, expected_boundary_rate=None, threshold_boundary_rate=None)
-    probs = segmentation.probs.detach()[free]
-    return dict(
-        boundary_rate=segmentation.ends[free].float().mean(),
-        expected_boundary_rate=probs.mean(),
-        threshold_boundary_rate=(probs >= threshold).float().mean(),
-    )
-
-
-def slot_confidence(
-    segmentation: Segmentation, slot: torch.Tensor, bos_slot: torch.Tensor, sink: int, total: int
-) -> torch.Tensor:
-    """(B, total) confidence of the decision each decoder slot stands for: a byte's slot, that of its own
-    decision; a segment's `<bos>` slot, that of the close before it (1 at a document's first segment,
-    whose opening no router decided; 1 at the pending slots). `slot`/`bos_slot` (B, T) map view bytes to
-    the `sink` segment slots (`sink` itself: no slot)."""
-    confidence = segmentation.confidence
-    table = confidence.new_ones(confidence.shape[0], total + 1)
-    table[:, : sink + 1].scatter_(1, slot, confidence)
-    table[:, : sink + 1].scatter_(1, bos_slot, _previous(confidence, 1.0))
-    # The sink column received what belongs to no slot; the pending slots after it keep 1.
-    table[:, sink] = 1.0
-    return torch.cat([table[:, :sink], table[:, sink + 1 :]], dim=1)[:, :total]
-
 
 class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
     """Byte-level LSLM: (B, T) ids (the `ByteTokenizer`'s) -> (B, T, V) logits of the next input token.
 
-    With `labels` (any tensor; the targets come from `input_ids`, see the module docstring), loss = the
-    ELBO's negative: decoder cross-entropy + `kl_weight` · KL. With `use_cache` (what `generate` asks
-    for) the first call runs the parallel pass and fills a `SegmentCache`; later calls advance it one
-    input column at a time.
+    `labels` (B, T) follow the causal-LM convention (shifted inside, -100 ignored; `label_targets` says
+    which decoder targets each label governs). The loss is the negative ELBO per predicted byte:
+
+        loss = (Σ decoder cross-entropy over the kept targets + `kl_weight` · Σ KL over the free bytes) / N
+
+    with N = `num_items_in_batch` when given (Trainer: the count of `labels[..., 1:] != -100` over every
+    micro-batch of the optimizer step and, with `average_tokens_across_devices`, every process), else
+    this batch's count of it. A batch's loss is therefore its share of the step's: gradient accumulation
+    and DDP add up to the loss of the joint batch. The metrics `lm_loss` (cross-entropy per target),
+    `kl_loss` (mean KL per free byte) and `bits_per_byte` are this batch's own, detached.
+
+    `use_cache` (default: the config's; never by default in training) makes the first call run the
+    parallel pass and fill a `SegmentCache`; later calls advance it one input column at a time.
     """
 
     def __init__(self, config: LSLMConfig) -> None:
@@ -593,12 +509,26 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
-        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs: Any,
     ) -> LSLMCausalLMOutput | tuple:
-        return_dict = kwargs.pop("return_dict", None)
-        cache = adopt_cache(past_key_values, SegmentCache, self.model.new_cache, bool(use_cache), "LSLM")
+        if inputs_embeds is not None:
+            raise ValueError(INPUTS_EMBEDS_MESSAGE)
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels of shape {tuple(labels.shape)} do not match input_ids of shape "
+                f"{tuple(input_ids.shape)}: LSLM shifts the labels itself, pass them aligned with input_ids"
+            )
+        # The config's default asks for a cache only outside training: nothing generates from a
+        # training pass, and filling the cache costs a decoder pass.
+        implicit = use_cache is None
+        create = (self.config.use_cache and not self.training) if implicit else use_cache
+        cache = adopt_cache(past_key_values, SegmentCache, self.model.new_cache, bool(create), "LSLM")
         if cache is not None and cache.get_seq_length() > 0:
             mask = token_mask(attention_mask, tuple(input_ids.shape), input_ids.device)
             steps = [
@@ -607,65 +537,78 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
             ]
             output = LSLMCausalLMOutput(logits=self.lm_head(torch.stack(steps, dim=1)), past_key_values=cache)
         else:
-            output = self.parallel_pass(input_ids, attention_mask, position_ids, labels, cache)
-        return output.to_tuple() if return_dict is False else output
+            if output_hidden_states is None:
+                output_hidden_states = self.config.output_hidden_states
+            layout = self.model.parallel_pass(
+                input_ids,
+                attention_mask,
+                position_ids,
+                cache,
+                output_hidden_states=output_hidden_states,
+                cache_required=not (implicit and past_key_values is None),
+            )
+            output = self.heads(layout, labels, num_items_in_batch)
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
 
-    def parallel_pass(self, input_ids, attention_mask, position_ids, labels, cache) -> LSLMCausalLMOutput:
-        """Every segment at once (training, full recomputation, the prefill of generation)."""
-        model = self.model
-        batch, length = input_ids.shape
-        mask = token_mask(attention_mask, (batch, length), input_ids.device)
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, length, 0, input_ids.device)
-        starts = document_starts(mask, position_ids.expand(batch, -1))
-        view = byte_view(input_ids, mask, starts, self.config)
-        if cache is not None and bool((view.input_documents.amax(dim=1) > 1).any()):
-            raise ValueError("use_cache with packed documents: generation continues one document per row")
-        token_states = model.encode_tokens(view, cache)
-        segmentation = model.segment(view, token_states)
-        segment_store = None
-        if cache is not None:
-            segment_store = cache.segment_store
-            segment_store.fill(closed_segments(segmentation, view))
-        segments, segment_valid, segment_documents = model.encode_segments(
-            token_states, segmentation, view, segment_store
+    def heads(
+        self, layout: LSLMPass, labels: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None
+    ) -> LSLMCausalLMOutput:
+        """Logits, loss and metrics of a parallel pass."""
+        slot_logits = self.lm_head(layout.slot_states)  # (B, S, V)
+        index = layout.column_slots[..., None].expand(-1, -1, slot_logits.shape[-1])
+        logits = torch.gather(slot_logits, 1, index)  # (B, T, V)
+        targets, predicted = None, None
+        if labels is not None:
+            targets = label_targets(layout, labels, self.config.segment_end_token_id)
+            if num_items_in_batch is None:
+                predicted = (labels[:, 1:] != -100).sum().clamp(min=1)
+            else:
+                predicted = torch.as_tensor(num_items_in_batch, device=logits.device)
+        fields = self.elbo(
+            slot_logits, layout.slots, layout.segmentation, layout.view.mask, targets, predicted
         )
-        slots = model.decoder_slots(view, segmentation)
-        slot_logits = self.lm_head(
-            model.decode(slots, segments, segment_valid, segment_documents)
-        )  # (B, S, V)
-        flat_slot = token_slots(view, segmentation, slots)
-        logits = torch.gather(slot_logits, 1, flat_slot[..., None].expand(-1, -1, slot_logits.shape[-1]))
-        boundaries = torch.zeros_like(mask).scatter_(1, view.order, segmentation.opens)
-        if cache is not None:
-            model.fill_cache(cache, view, token_states, segmentation, segments)
-            cache.items = length
-        fields = self.elbo(slot_logits, slots, segmentation, view.mask, labels)
-        return LSLMCausalLMOutput(logits=logits, past_key_values=cache, boundaries=boundaries, **fields)
+        return LSLMCausalLMOutput(
+            logits=logits,
+            past_key_values=layout.cache,
+            boundaries=layout.boundaries,
+            hidden_states=layout.hidden_states,
+            **fields,
+        )
 
-    def elbo(self, slot_logits, slots: DecoderSlots, segmentation: Segmentation, mask, labels) -> dict:
-        """The loss (when `labels` is given) and the metrics."""
+    def elbo(
+        self,
+        slot_logits,
+        slots: DecoderSlots,
+        segmentation: Segmentation,
+        mask,
+        targets: torch.Tensor | None,
+        predicted: torch.Tensor | None,
+    ) -> dict:
+        """The metrics, and with `targets` (B, S) (`label_targets`) the loss: the negative ELBO's sums over
+        this batch divided by `predicted`, the bytes the whole step predicts (see `LSLMForCausalLM`)."""
         config = self.config
         free = mask & ~segmentation.forced
-        fields = boundary_metrics(segmentation, free, config.boundary_threshold)
+        fields = boundary_metrics(segmentation, free)
         segments = int((segmentation.index.max(dim=1).values + 1).clamp(min=0).sum())
         fields["compression_ratio"] = (mask.sum() / max(segments, 1)).detach().float()
-        if labels is None:
+        if targets is None:
             return fields
-        targets = slots.targets
         counted = targets != -100
         losses = F.cross_entropy(
             slot_logits.float().reshape(-1, slot_logits.shape[-1]), targets.reshape(-1), reduction="none"
         ).view(targets.shape)
-        lm_loss = losses[counted].sum() / counted.sum().clamp(min=1)
+        lm_sum = losses[counted].sum()
+        lm_loss = lm_sum / counted.sum().clamp(min=1)
         byte_targets = targets >= BYTE_OFFSET
         bits = losses[byte_targets].sum() / byte_targets.sum().clamp(min=1) / torch.log(torch.tensor(2.0))
-        kl = bernoulli_kl_from_logits(segmentation.logits, config.prior_mean)
-        kl_loss = kl[free].mean() if free.any() else kl.new_zeros(())
+        # Sums over the batch, normalised by the step's predicted bytes: micro-batches and ranks add up.
+        prior_sum = prior_loss_sum(segmentation, free, config)
         fields.update(
-            loss=lm_loss + config.kl_weight * kl_loss,
+            loss=(lm_sum + config.kl_weight * prior_sum) / predicted,
             lm_loss=lm_loss.detach(),
-            kl_loss=kl_loss.detach(),
+            # The prior term per free byte (the KL's mean, or the binomial's share).
+            kl_loss=(prior_sum / free.sum().clamp(min=1)).detach(),
             bits_per_byte=bits.detach(),
         )
         return fields

@@ -372,6 +372,25 @@ def bernoulli_kl_from_logits(logits: torch.Tensor, prior_mean: float) -> torch.T
     )
 
 
+def binomial_prior_nll(counts: torch.Tensor, totals: torch.Tensor, prior_mean: float) -> torch.Tensor:
+    """−log Binomial(k; n, p) per row: DTP's boundary prior (Nawrot et al. 2023, §3.2), the count form
+    of "about p·n boundaries in n bytes" that does not pull every single q_t toward p as the KL does.
+
+    Forward value: −[lgamma(n+1) − lgamma(k+1) − lgamma(n−k+1) + k log p + (n−k) log(1−p)] at the
+    given (hard) counts k = `counts` out of n = `totals`.
+    Backward rule: ∂/∂k = ψ(k+1) − ψ(n−k+1) − log(p / (1−p)) (ψ: digamma), to whatever `counts` was
+    built from; a straight-through count Σ(z_t + ẑ_t − sg(ẑ_t)) passes it to every sampled ẑ_t.
+    Reference: `torch.distributions.Binomial(n, p).log_prob(k)` for the value.
+    """
+    if not 0 < prior_mean < 1:
+        raise ValueError(f"prior_mean={prior_mean!r} must be in (0, 1)")
+    counts = counts.to(_compute_dtype(counts.dtype))
+    totals = totals.to(counts.dtype)
+    log_choose = torch.lgamma(totals + 1) - torch.lgamma(counts + 1) - torch.lgamma(totals - counts + 1)
+    log_prob = log_choose + counts * math.log(prior_mean) + (totals - counts) * math.log1p(-prior_mean)
+    return -log_prob
+
+
 def _check_target_ratio(target_ratio: float) -> float:
     if not target_ratio > 1:
         raise ValueError(f"target_ratio must be > 1 (tokens per concept), got {target_ratio}")

@@ -136,6 +136,8 @@ class SegmentCache(ForwardOnlyCache):
         self.byte_counts: torch.Tensor | None = None  # (B,) next token-encoder position
         self.open_states: torch.Tensor | None = None  # (B, W, Dt)
         self.open_counts: torch.Tensor | None = None  # (B,)
+        # (B,) int64: the running sum of q in 2^-16 units of boundary_rule "rate" (boundary_rules).
+        self.rate_units: torch.Tensor | None = None
         self.segment_store = RaggedStore()
         self.cross_store = RaggedStore()
         self.decoder_store = RaggedStore()
@@ -162,7 +164,7 @@ class SegmentCache(ForwardOnlyCache):
         self.open_counts = self.open_counts + rows.long()
 
     def _per_row(self) -> list[str]:
-        return ["token_valid", "byte_counts", "open_states", "open_counts"]
+        return ["token_valid", "byte_counts", "open_states", "open_counts", "rate_units"]
 
     def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._per_row():

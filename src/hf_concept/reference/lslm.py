@@ -2,8 +2,8 @@
 
 `reference_logits(model, input_ids, position_ids)` recomputes an `LSLMForCausalLM`'s per-token logits and
 decoder loss for ONE row (no padding; packed documents and `<bos>`/`<nxt>` markers allowed) with the
-model's own weights and router (eval mode: decisions are deterministic, the straight-through factor is
-exactly 1), but none of its vectorised bookkeeping. It walks the input columns as generation does:
+model's own weights and router (eval mode: decisions are deterministic, by the config's `boundary_rule`),
+but none of its vectorised bookkeeping. It walks the input columns as generation does:
 - markers are not bytes: the token encoder reads the row with them taken out (positions count bytes);
 - a byte joins the open segment, which it closes if the router says so or it is `<BoS>`/`<eos>`; a marker
   closes the open segment; a document's last byte closes its segment for the loss only;
@@ -13,6 +13,8 @@ exactly 1), but none of its vectorised bookkeeping. It walks the input columns a
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -98,15 +100,24 @@ def reference_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor 
     logits, segments = [], []  # segments: (document, byte columns, closed by a boundary)
     open_columns: list[int] = []
     pooled: list[torch.Tensor] = []
+    running = 0.0  # boundary_rule "rate": the document's running sum of q (in 2^-16 steps)
     for column, token in enumerate(ids):
         if starts[column]:
             if open_columns:
                 segments.append((documents[column - 1], open_columns, True))
-            open_columns, pooled = [], []
+            open_columns, pooled, running = [], [], 0.0
         if is_byte[column]:
             open_columns.append(column)
-            q = torch.sigmoid(backbone.router(byte_states[column][None, None]))[0, 0]
-            closes = bool(q >= config.boundary_threshold) or token in special
+            q = float(torch.sigmoid(backbone.router(byte_states[column][None, None]))[0, 0])
+            if token in special:
+                closes = True
+            elif config.boundary_rule == "rate":
+                step = round(q * 2**16) / 2**16
+                # Closes where the running sum passes a half-integer (boundary_rules' docstring).
+                closes = math.floor(running + step + 0.5) > math.floor(running + 0.5)
+                running += step
+            else:
+                closes = q >= config.boundary_threshold
         else:
             closes = bool(open_columns)
         if closes:

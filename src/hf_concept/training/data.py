@@ -185,7 +185,8 @@ def tokenize_documents(documents: list[str], tokenizer: Any, block_size: int) ->
 
 @dataclass
 class PaddingCollator:
-    """Pads a batch of {"input_ids"} sequences (the `packing=False` path): pads are masked and unlabeled."""
+    """Pads a batch of {"input_ids"} sequences (the `packing=False` path): pads are masked and unlabeled,
+    and so is each row's first token (which no position predicts)."""
 
     pad_token_id: int
     padding_side: str = "right"
@@ -200,7 +201,9 @@ class PaddingCollator:
             left = self.padding_side == "left"
             rows.append(pad + ids if left else ids + pad)
             masks.append([0] * fill + real if left else real + [0] * fill)
-            labels.append([-100] * fill + ids if left else ids + [-100] * fill)
+            # A row's first token is no target (nothing before it in the row): left padding must not
+            # make it one, or Trainer's num_items_in_batch (labels[..., 1:] != -100) would count it.
+            labels.append([-100] * (fill + 1) + ids[1:] if left and ids else ids + [-100] * fill)
         return {
             "input_ids": torch.tensor(rows, dtype=torch.long),
             "attention_mask": torch.tensor(masks, dtype=torch.long),

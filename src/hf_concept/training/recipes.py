@@ -26,8 +26,8 @@ Choices (the README's "Training" section states them for users):
 - DLCM μP: the param groups of `hf_concept.training.mup` whenever the config sets `mup_base_width` (or
   `mup=True`); `learning_rate`, if given, is the base rate η of all three groups, else the config's
   `mup_*_learning_rate` fields are.
-- LSLM: `InterleavedUpdates` with the config's `update_schedule`. Its loss is a per-batch mean that
-  ignores `num_items_in_batch`, so Trainer is told to divide it by the accumulation steps itself.
+- LSLM: `InterleavedUpdates` with the config's `update_schedule`. Its loss is normalised by Trainer's
+  `num_items_in_batch` (the step's predicted bytes), like HF causal LMs, so accumulation adds up exactly.
 - Output: Trainer checkpoints go to `output_dir/checkpoints`, each written under a hidden staging name and
   renamed once complete (`hf_concept.training.checkpoints`); the final model is written into a staging
   folder inside `output_dir` and moved into place with config.json last, so an interrupted save never
@@ -545,7 +545,7 @@ def build_trainer(
     mup: bool,
     learning_rate: float | None,
 ) -> RecipeTrainer:
-    """The `RecipeTrainer` of a run; LSLM gets its interleaved schedule and its own loss scaling."""
+    """The `RecipeTrainer` of a run; LSLM gets its interleaved schedule."""
     is_lslm = model.config.model_type == "lslm"
     if is_lslm:
         from hf_concept.training.lslm import InterleavedUpdates
@@ -562,9 +562,6 @@ def build_trainer(
         mup=mup,
         mup_learning_rate=learning_rate,
     )
-    if is_lslm:
-        # LSLM returns a per-batch mean, not a num_items_in_batch share: Trainer divides by the accumulation.
-        trainer.model_accepts_loss_kwargs = False
     return trainer
 
 

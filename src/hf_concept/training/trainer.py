@@ -43,9 +43,9 @@ METRIC_FIELDS = (
     "compression_ratio",
     "boundary_prob_mean",
     "boundary_rate",
-    # LSLM: the rate training samples at (mean q) and the rate inference's threshold gives on those bytes.
+    # LSLM: the rate training samples at (mean q) and the rate its inference rule gives on those bytes.
     "expected_boundary_rate",
-    "threshold_boundary_rate",
+    "inference_boundary_rate",
 )
 # Fields that are micro-batch shares of the step's value when Trainer passes num_items_in_batch.
 SHARE_FIELDS = ("lm_loss", "aux_loss")
@@ -113,9 +113,11 @@ class ConceptTrainer(Trainer):
             shares = num_items_in_batch is not None and self.model_accepts_loss_kwargs
             # A share counts as 1/k of a step, so that a step's k micro-batches add up to one step.
             share_weight = 1.0 / max(getattr(self, "current_gradient_accumulation_steps", 1), 1)
+            # A model may say which of its fields are shares (LSLM: none; its lm_loss is a batch mean).
+            share_fields = getattr(self.accelerator.unwrap_model(model), "metric_share_fields", SHARE_FIELDS)
             for name, value in self._metric_values(outputs, METRIC_FIELDS).items():
                 weight = 1.0
-                if shares and name in SHARE_FIELDS:
+                if shares and name in share_fields:
                     weight = share_weight
                     self._share_fields.add(name)
                 self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value

@@ -1,0 +1,84 @@
+"""The LSLM ELBO's parts that are not the decoder's cross-entropy: the boundary prior's term, the boundary
+rates, and the decoder targets that HF-style `labels` give (modeling_lslm's module docstring, step 6)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .configuration_lslm import LSLMConfig
+from .lslm_layout import Segmentation
+from .routing import bernoulli_kl_from_logits, binomial_prior_nll
+
+if TYPE_CHECKING:
+    from .modeling_lslm import LSLMPass
+
+
+def prior_loss_sum(segmentation: Segmentation, free: torch.Tensor, config: LSLMConfig) -> torch.Tensor:
+    """The boundary prior's term of the negative ELBO, summed over the batch (the caller normalises):
+    "kl": Σ over free bytes of KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean)); "binomial": Σ over rows of
+    −log Binomial(k; n, prior_mean), k the row's sampled ends among its n free bytes, counted
+    straight-through (Σ z_t + ẑ_t − sg(ẑ_t)) so that each sample gets the count's gradient."""
+    if config.prior_loss == "binomial":
+        relaxed = segmentation.relaxed if segmentation.relaxed is not None else segmentation.probs
+        straight = segmentation.ends.float() + relaxed - relaxed.detach()
+        counts = (straight * free).sum(dim=1)
+        totals = free.sum(dim=1)
+        nll = binomial_prior_nll(counts, totals, config.prior_mean)
+        return nll[totals > 0].sum()
+    kl = bernoulli_kl_from_logits(segmentation.logits, config.prior_mean)
+    return kl[free].sum()
+
+
+def boundary_metrics(segmentation: Segmentation, free: torch.Tensor) -> dict:
+    """Detached boundary rates over the `free` bytes (no forced end): `boundary_rate`, the ends this pass
+    used (sampled in training, the inference rule in eval); `expected_boundary_rate`, the mean q_t (the
+    rate training samples at); `inference_boundary_rate`, the share the inference rule (`boundary_rule`)
+    closes on the same bytes. None when no byte is free."""
+    if not bool(free.any()):
+        return dict(boundary_rate=None, expected_boundary_rate=None, inference_boundary_rate=None)
+    return dict(
+        boundary_rate=segmentation.ends[free].float().mean(),
+        expected_boundary_rate=segmentation.probs.detach()[free].mean(),
+        inference_boundary_rate=segmentation.inferred[free].float().mean(),
+    )
+
+
+def label_targets(layout: LSLMPass, labels: torch.Tensor, end_id: int) -> torch.Tensor:
+    """(B, S) decoder targets under causal-LM `labels` (B, T): the label at input column c is the target
+    of the prediction made at column c - 1 (HF's shift, done here), -100 ignored.
+
+    A byte x_{t+1} is produced by the target at byte t's slot when t leaves its segment open, else by
+    `<nxt>` at t's slot plus the target at the next segment's `<bos>` slot. So the label of a byte
+    target sits at the next byte's column, that of a `<bos>` slot at its segment's first byte, that of
+    `<nxt>` at the input column after the closing byte (a marker's, if one follows); -100 there drops
+    the target, and byte targets take the label's value (`<nxt>` stays `<nxt>`). A `<nxt>` with no real
+    column after it (the row's end) has no label and is kept. Markers are not bytes: only a `<nxt>`
+    reads a marker's label. With `labels` equal to `input_ids` the result is `layout.slots.targets`.
+    """
+    view, segmentation, targets = layout.view, layout.segmentation, layout.slots.targets
+    batch, length = labels.shape
+    sink = targets.shape[1]  # scatter index of the view columns that have no such slot; dropped
+    columns = view.order  # (B, T) input column of each view column
+    # A segment's bytes are adjacent in the view, so an open byte's successor is the next view column.
+    next_byte = F.pad(columns, (0, 1), value=length)[:, 1:]
+    governing = torch.where(segmentation.ends, columns + 1, next_byte)
+    real = view.mask & (governing < length)
+    governing = governing.clamp(max=length - 1)
+    real = real & torch.gather(layout.mask, 1, governing)
+    own_slot = layout.slots.token_slot.masked_fill(~view.mask, sink)
+    bos_slot = (layout.slots.token_slot - 1).masked_fill(~segmentation.opens, sink)
+    slot_labels = labels.new_full((batch, sink + 1), -100)
+    governed = torch.zeros_like(slot_labels, dtype=torch.bool)
+    for slot, label, has_label in (
+        (own_slot, torch.gather(labels, 1, governing), real),
+        (bos_slot, torch.gather(labels, 1, columns), segmentation.opens),
+    ):
+        slot_labels.scatter_(1, slot, label)
+        governed.scatter_(1, slot, has_label)
+    slot_labels, governed = slot_labels[:, :sink], governed[:, :sink]
+    byte_target = (targets != -100) & (targets != end_id)
+    targets = torch.where(governed & byte_target, slot_labels, targets)
+    return targets.masked_fill(governed & (slot_labels == -100), -100)
