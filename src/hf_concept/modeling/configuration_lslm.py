@@ -104,6 +104,8 @@ class LSLMConfig(PlainDecoderConfig):
         auto_map.update(kwargs.pop("auto_map", None) or {})
         kwargs["auto_map"] = auto_map
         super().__post_init__(**kwargs)
+        # Once per config (not in check_fields, which the model calls again).
+        self._warn_unreachable_threshold()
 
     def _fill_stage_defaults(self) -> None:
         split = (self.token_encoder_layers, self.segment_encoder_layers, self.decoder_layers)
@@ -156,7 +158,6 @@ class LSLMConfig(PlainDecoderConfig):
         if self.boundary_rule not in BOUNDARY_RULES:
             rules = ", ".join(BOUNDARY_RULES)
             raise ValueError(f"boundary_rule={self.boundary_rule!r} must be one of {rules}")
-        self._warn_unreachable_threshold()
         if self.sliding_window is not None or self.num_experts != 0:
             raise ValueError(
                 f"sliding_window={self.sliding_window!r}, num_experts={self.num_experts!r}: LSLM's stages "
@@ -168,7 +169,7 @@ class LSLMConfig(PlainDecoderConfig):
         would close (almost) no segment while training samples them at about `prior_mean`."""
         if self.boundary_rule != "threshold" or self.prior_mean > self.boundary_threshold:
             return
-        logger.warning_once(
+        logger.warning(
             f"boundary_threshold={self.boundary_threshold!r} with prior_mean={self.prior_mean!r} and "
             "boundary_rule='threshold': the KL term pulls q_t toward the prior, below the threshold, so "
             "inference would close almost no segment. Use boundary_rule='rate' or a lower threshold."
