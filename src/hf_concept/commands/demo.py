@@ -14,7 +14,7 @@
 
 Speeds are measured in this run, on this machine, as ratios to the source model (interleaved rounds,
 medians), never as absolute figures: they describe tiny models on a CPU, not the architectures at scale.
-`--quick` shrinks every size and step count so the whole run takes about a minute (the test suite runs it).
+`--quick` shrinks every size and step count so the whole run takes about 15 seconds (the test suite runs it).
 """
 
 from __future__ import annotations
