@@ -19,6 +19,8 @@ Rows of the table:
   β·KL), optimizer steps interleaved as LSLM §2.6 (`--lslm-update-schedule` k: k steps update the
   generative model, then one the router; `hf_concept.training.lslm.drop_other_group_gradients`, the rule
   `InterleavedUpdates` applies under `Trainer`). Its "train loss" is that ELBO, not nats per byte.
+  `--lslm-prior-loss binomial` replaces the KL term by DTP's binomial count prior (`LSLMConfig.prior_loss`)
+  and `--lslm-joint` trains every parameter at every step (no interleaving), as DTP is trained.
 - "lslm-POOLING@rate": the same trained LSLM with `boundary_threshold` moved from 0.5 to the (1 - r)
   quantile of the router's q over 16 fresh training crops, r being their mean q. Training samples a
   boundary with probability q_t (σ(p̂ + g′ − g″) >= 1/2, LSLM eq. 2), i.e. at rate r, while inference
@@ -48,6 +50,7 @@ router's mean boundary probability over the scored bytes (the rate at which trai
         [--context 256] [--batch-size 16] [--lr 2e-3] [--seed 0] [--model PATH ...] [--no-baseline]
         [--lslm POOLING ...] [--lslm-layers 2,4,2] [--lslm-width 128] [--lslm-token-width 64]
         [--lslm-decoder-width 64] [--lslm-prior 0.2] [--lslm-kl-weight 1.0] [--lslm-update-schedule 3]
+        [--lslm-prior-loss kl|binomial] [--lslm-joint]
         [--save DIR] [--json PATH] [--threads N] [--quick]
 """
 
@@ -72,7 +75,7 @@ from hf_concept.evaluation import (
     lslm_code_length,
     lslm_config_for,
 )
-from hf_concept.modeling.configuration_lslm import LSLMConfig
+from hf_concept.modeling.configuration_lslm import PRIOR_LOSSES, LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID, VOCAB_SIZE, ByteTokenizer
 from hf_concept.training.lslm import drop_other_group_gradients
@@ -112,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--lslm-update-schedule", type=int, default=3, help="k generator steps per router step"
     )
+    parser.add_argument(
+        "--lslm-prior-loss", choices=PRIOR_LOSSES, default="kl", help="KL to Bernoulli or DTP's binomial"
+    )
+    parser.add_argument("--lslm-joint", action="store_true", help="update every parameter at every step")
     parser.add_argument("--eval-bytes", type=int, default=None, help="score only this many held-out bytes")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
@@ -151,6 +158,7 @@ def lslm_config(args: argparse.Namespace, pooling: str) -> LSLMConfig:
         prior_mean=args.lslm_prior,
         kl_weight=args.lslm_kl_weight,
         update_schedule=args.lslm_update_schedule,
+        prior_loss=args.lslm_prior_loss,
     )
 
 
@@ -191,15 +199,23 @@ def build_baseline(args: argparse.Namespace, lslm_parameters: int | None, lslm_l
     return byte_gpt2_baseline(n_layer=args.layers or 4, n_embd=args.width, n_positions=args.context)
 
 
-def train(model: nn.Module, args: argparse.Namespace, generator_steps: int | None = None) -> float:
+def train(
+    model: nn.Module,
+    args: argparse.Namespace,
+    generator_steps: int | None = None,
+    rows: list[torch.Tensor] | None = None,
+    history: list[dict] | None = None,
+) -> float:
     """`args.steps` AdamW steps of `model`'s own loss on the shared batches; returns the mean loss over the
     last 10% of the steps. With `generator_steps` k, optimizer steps are interleaved (LSLM §2.6): after
-    clipping, the gradients of the group that the step does not update are dropped."""
+    clipping, the gradients of the group that the step does not update are dropped. Batches are crops of
+    `rows` (default `train_token_rows()`); `history`, when given, receives one dict per step: the loss
+    and the output's scalar metrics (an LSLM's boundary rates, for instance)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: learning_rate_factor(step, args.steps)
     )
-    rows, rng = train_token_rows(), random.Random(args.seed)
+    rows, rng = rows if rows is not None else train_token_rows(), random.Random(args.seed)
     # The LSLM samples its training boundaries with torch's generator: seeded, so a run is repeatable.
     torch.manual_seed(args.seed)
     model.train()
@@ -216,12 +232,24 @@ def train(model: nn.Module, args: argparse.Namespace, generator_steps: int | Non
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if history is not None:
+            history.append(dict(step_metrics(output), loss=losses[-1]))
         if (step + 1) % max(1, args.steps // 10) == 0 or step + 1 == args.steps:
             rate = getattr(output, "boundary_rate", None)
             sampled = "" if rate is None else f"  sampled boundary rate {rate.item():.3f}"
             print(f"  step {step + 1}/{args.steps}  loss {loss.item():.3f}{sampled}", flush=True)
     tail = losses[-max(1, len(losses) // 10) :]
     return sum(tail) / len(tail)
+
+
+def step_metrics(output) -> dict[str, float]:
+    """The scalar tensors of a model output other than the loss (LSLM: `lm_loss`, `kl_loss`, the boundary
+    rates, `bits_per_byte`, `compression_ratio`), as floats."""
+    return {
+        name: value.item()
+        for name, value in output.items()
+        if name != "loss" and isinstance(value, torch.Tensor) and value.numel() == 1
+    }
 
 
 def heldout_texts(eval_bytes: int | None) -> dict[str, str]:
@@ -332,7 +360,8 @@ def matched_threshold(model: nn.Module, args: argparse.Namespace) -> tuple[float
 def lslm_rows(name: str, model: nn.Module, args: argparse.Namespace, texts: dict[str, str]) -> list[dict]:
     """The trained LSLM evaluated as configured (threshold 0.5), then as "NAME@rate": with its
     `boundary_threshold` set so that inference closes segments at the rate training samples them."""
-    row = trained_row(name, model, args, texts, model.config.update_schedule)
+    generator_steps = None if getattr(args, "lslm_joint", False) else model.config.update_schedule
+    row = trained_row(name, model, args, texts, generator_steps)
     rows = [{**row, "elbo_view": evaluate_elbo_view(model, texts, args)}]
     rate, threshold = matched_threshold(model, args)
     print(f"{name}@rate: mean q on train crops {rate:.3f}; boundary_threshold {threshold:.4f} closes as many")

@@ -138,7 +138,7 @@ def _windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int,
     return windows
 
 
-def _padded_windows(
+def padded_windows(
     tokens: torch.Tensor, batch: list[tuple[int, int, int]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask), each (len(batch), longest window): the windows, right-padded."""
@@ -153,7 +153,7 @@ def _padded_windows(
 
 def _score_batch(model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, int, int]]) -> float:
     """Sum of -log p over the scored positions of `batch`'s windows, run as one right-padded forward pass."""
-    input_ids, attention_mask = _padded_windows(tokens, batch)
+    input_ids, attention_mask = padded_windows(tokens, batch)
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
     if logits.shape[-1] < VOCAB_SIZE:
@@ -322,7 +322,7 @@ def lslm_code_length(
     try:
         for index in range(0, len(windows), batch_size):
             batch = windows[index : index + batch_size]
-            input_ids, attention_mask = _padded_windows(tokens, batch)
+            input_ids, attention_mask = padded_windows(tokens, batch)
             device = next(model.parameters()).device
             costs = lslm_column_costs(model, input_ids.to(device), attention_mask.to(device))
             for row, (start, first, end) in enumerate(batch):

@@ -1,0 +1,478 @@
+"""LSLM at toy scale: does a latent-segment LM beat a parameter-matched byte GPT-2 on Chinese and Japanese
+(LSLM Table 1, §4.1), and does it learn a non-uniform segmentation? Three seeds, three models, one runner.
+
+Models, per seed (each built right after `torch.manual_seed(seed)`), trained one after the other on the
+very same batches (`eval_bits_per_byte.train`: crops of `--context` tokens of the en/zh/ja `train` split,
+language drawn in proportion to its size), steps, AdamW, peak lr, weight decay and schedule (10% linear
+warm-up, cosine to 10%):
+- "gpt2": `hf_concept.evaluation.byte_gpt2_baseline` at the LSLM's width (`--width`) and head width (32),
+  its depth the one whose parameter count is nearest the LSLM's (`gpt2_num_parameters`); the run stops
+  unless the counts are within 5%.
+- "lslm": `LSLMForCausalLM` with `--layers` token/segment/decoder layers, every stage `--width` wide,
+  heads of width 32, MLPs 4x wide, and `LSLMConfig`'s defaults, the paper's best setting (Table 1):
+  Bernoulli prior mean 0.7, β = `kl_weight` = 1, mean ("dynamic") pooling, interleaved updates with k = 1
+  (`hf_concept.training.lslm.drop_other_group_gradients`: even steps update everything but the router,
+  odd steps the router only), and `boundary_rule="rate"`: inference closes byte t where the running sum
+  of q over the document passes a half-integer, i.e. at the rate at which training samples boundaries.
+- "dtp": the same LSLM (same weights at step 0) with `prior_loss="binomial"` (DTP's count prior,
+  −log Binomial(k; n, 0.7), weighted by `kl_weight`, instead of the per-byte KL), all parameters
+  updated at every step (no interleaving). DTP's own hourglass architecture is NOT implemented: this row
+  is "dynamic pooling without the variational prior" inside LSLM's architecture.
+
+Figures (held-out split of every language; never used for any choice):
+- bits per byte: `hf_concept.evaluation.bits_per_byte` (windows of `--context`, stride context/2; for an
+  LSLM the per-token logits, a code for the bytes alone, the decoder's `<nxt>` mass lost);
+  bits per character = the same total bits / the number of characters of the scored text;
+- for lslm and dtp: the training boundary rate (sampled ends per free byte, `boundary_rate`, and the
+  mean q_t, `expected_boundary_rate`, averaged over the last 10% of the steps) against the held-out
+  inference rate (share of scored bytes that open a segment in the eval-mode `boundaries`, each byte
+  read in the window that scores it; the text's first byte, forced open, left out), with the ±20% check;
+  bytes per segment; precision/recall of "a byte opens a segment" against the first byte of each
+  whitespace-separated word (en) or each UTF-8 character start (zh, ja: bytes not 0b10xxxxxx), beside
+  the share of gold bytes (the precision of segments placed at random); the ELBO view
+  (`eval_bits_per_byte.evaluate_elbo_view`: the `<nxt>` bits the decoder spends on top of the bytes);
+  one example line per language, segments shown by `|`.
+- wall time per model (train, eval) and in total; mean ± sample std over the seeds, per-seed values in
+  `--json`.
+
+`--validation` replaces held-out by a validation slice of the train split (its last ~10% per language,
+cut at a line start; the models then train on the rest): the only data any tuning may look at.
+`--quick` is a smoke run (tiny models, 4 steps, one seed, 512 held-out bytes per language).
+
+    python benchmarks/reproduce_lslm.py [--seeds 0,1,2] [--steps 400] [--width 96] [--layers 1,3,1]
+        [--context 256] [--batch-size 16] [--lr 2e-3] [--weight-decay 0.01] [--threads 1]
+        [--eval-bytes N] [--validation] [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# The shared runner (sampler, schedule, training loop, evaluation) lives beside this script.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import eval_bits_per_byte as runner
+
+from hf_concept.data import LANGUAGES, load_text
+from hf_concept.evaluation import byte_gpt2_baseline, gpt2_num_parameters, padded_windows
+from hf_concept.modeling.configuration_lslm import LSLMConfig
+from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
+from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
+
+MODELS = ("gpt2", "lslm", "dtp")
+SEGMENTED = ("lslm", "dtp")
+HEAD_WIDTH = 32
+MAX_PARAMETER_GAP = 0.05
+RATE_TOLERANCE = 0.2
+VALIDATION_FRACTION = 0.1
+EXAMPLE_CHARS = 48
+QUICK = dict(seeds=(0,), steps=4, width=32, layers=(1, 1, 1), context=64, batch_size=4, eval_bytes=512)
+# LSLM Table 1 (byte vocabulary, mean of five runs): the paper's BPC, for the report.
+PAPER_TABLE_1 = {
+    "gpt2": dict(en=1.418, zh=1.785, ja=1.668),
+    "dtp": dict(en=1.379, zh=1.722, ja=1.648),
+    "lslm": dict(en=1.390, zh=1.667, ja=1.564),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=_int_list, default=(0, 1, 2), help="comma-separated seeds")
+    parser.add_argument("--steps", type=int, default=400, help="AdamW steps, every model")
+    parser.add_argument("--width", type=int, default=96, help="width of every stage and of the GPT-2")
+    parser.add_argument("--layers", type=runner._layer_split, default=(1, 3, 1), help="token,segment,decoder")
+    parser.add_argument("--context", type=int, default=256, help="tokens per training crop and eval window")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    # One thread: on the shared 2-core VM a second busy process made 2-thread steps ~10x slower (measured
+    # 5.2 s against 0.5 s per GPT-2 step), one thread kept its pace.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--eval-bytes", type=int, default=None, help="score only this many bytes per text")
+    parser.add_argument("--validation", action="store_true", help="evaluate on a slice of train (tuning)")
+    parser.add_argument("--json", default=None, help="write every per-seed figure here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, 4 steps, 1 seed")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for field, value in QUICK.items():
+            setattr(args, field, value)
+    for field in ("steps", "context", "batch_size", "threads", "width"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
+    if args.width % HEAD_WIDTH and not args.quick:
+        parser.error(f"--width={args.width} must be a multiple of the head width {HEAD_WIDTH}")
+    return args
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated ints") from None
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} must name distinct seeds")
+    return values
+
+
+def runner_args(args: argparse.Namespace, seed: int, name: str) -> argparse.Namespace:
+    """The shared runner's namespace for model `name` at `seed` (its parser fills every other field)."""
+    defaults = LSLMConfig()
+    width = str(args.width)
+    argv = [
+        "--steps", str(args.steps), "--context", str(args.context), "--batch-size", str(args.batch_size),
+        "--lr", str(args.lr), "--weight-decay", str(args.weight_decay), "--seed", str(seed),
+        "--threads", str(args.threads), "--lslm", defaults.pooling,
+        "--lslm-layers", ",".join(map(str, args.layers)), "--lslm-width", width,
+        "--lslm-token-width", width, "--lslm-decoder-width", width,
+        "--lslm-prior", str(defaults.prior_mean), "--lslm-kl-weight", str(defaults.kl_weight),
+        "--lslm-update-schedule", str(defaults.update_schedule),
+        "--lslm-prior-loss", "binomial" if name == "dtp" else "kl",
+    ]  # fmt: skip
+    if name == "dtp":
+        argv.append("--lslm-joint")
+    return runner.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace, name: str, seed: int) -> torch.nn.Module:
+    """Model `name` freshly initialised from `seed`; the GPT-2 at the depth that matches the LSLM."""
+    shared = runner_args(args, seed, name)
+    torch.manual_seed(seed)
+    if name != "gpt2":
+        return LSLMForCausalLM(runner.lslm_config(shared, shared.lslm[0]))
+    depth = gpt2_depth(args)
+    return byte_gpt2_baseline(n_layer=depth, n_embd=args.width, n_positions=args.context, head_dim=HEAD_WIDTH)
+
+
+def gpt2_depth(args: argparse.Namespace) -> int:
+    """The GPT-2 depth at `--width` whose parameter count is nearest the LSLM's."""
+    target = lslm_parameters(args)
+    return min(
+        range(1, 65), key=lambda depth: abs(gpt2_num_parameters(depth, args.width, args.context) - target)
+    )
+
+
+def lslm_parameters(args: argparse.Namespace) -> int:
+    shared = runner_args(args, 0, "lslm")
+    with torch.device("meta"):
+        return LSLMForCausalLM(runner.lslm_config(shared, shared.lslm[0])).num_parameters()
+
+
+def check_parameter_match(counts: dict[str, int]) -> None:
+    """Every pair of models within `MAX_PARAMETER_GAP` (relative to the smaller), or SystemExit."""
+    low, high = min(counts.values()), max(counts.values())
+    if high > low * (1 + MAX_PARAMETER_GAP):
+        raise SystemExit(f"parameter counts {counts} differ by more than {MAX_PARAMETER_GAP:.0%}")
+
+
+def split_validation(text: str) -> tuple[str, str]:
+    """(fit, validation): validation starts at the first line start at or after 90% of `text`'s bytes."""
+    data = text.encode("utf-8")
+    newline = data.find(b"\n", int(len(data) * (1 - VALIDATION_FRACTION)))
+    if newline == -1 or newline + 1 >= len(data):
+        raise ValueError("the train text has no line break in its last 10%: cannot cut a validation slice")
+    return data[: newline + 1].decode("utf-8"), data[newline + 1 :].decode("utf-8")
+
+
+def texts_for(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
+    """(training texts, scored texts) per language: train and held-out, or fit and validation."""
+    if args.validation:
+        pairs = {language: split_validation(load_text(language)) for language in LANGUAGES}
+        fit = {language: pair[0] for language, pair in pairs.items()}
+        scored = {language: pair[1] for language, pair in pairs.items()}
+    else:
+        fit, scored = {language: load_text(language) for language in LANGUAGES}, runner.heldout_texts(None)
+    if args.eval_bytes:
+        scored = {
+            lang: text.encode()[: args.eval_bytes].decode(errors="ignore") for lang, text in scored.items()
+        }
+    return fit, scored
+
+
+def token_rows(texts: dict[str, str]) -> list[torch.Tensor]:
+    """`<BoS> bytes` of each text, in `LANGUAGES` order (what `runner.train_token_rows` gives for train)."""
+    return [
+        torch.tensor([SEQUENCE_START_ID, *(BYTE_OFFSET + b for b in texts[language].encode("utf-8"))])
+        for language in LANGUAGES
+    ]
+
+
+@torch.no_grad()
+def segmentation_of(model: torch.nn.Module, text: str, context: int, batch_size: int) -> torch.Tensor:
+    """(N,) bool over the N bytes of `text`: does the byte open a segment? From eval-mode `boundaries` over
+    `bits_per_byte`'s windows (stride context/2), each byte read in the window that scores it, so that its
+    decision sees at least context/2 bytes before it (all of them near the start)."""
+    tokens = torch.tensor([SEQUENCE_START_ID, *(BYTE_OFFSET + b for b in text.encode("utf-8"))])
+    stride = max(1, context // 2)
+    windows = []
+    for first in range(1, len(tokens), stride):
+        end = min(first + stride, len(tokens))
+        windows.append((max(0, end - context), first, end))
+    opens = torch.zeros(len(tokens), dtype=torch.bool)
+    was_training = model.training
+    model.eval()
+    try:
+        for index in range(0, len(windows), batch_size):
+            batch = windows[index : index + batch_size]
+            input_ids, attention_mask = padded_windows(tokens, batch)
+            boundaries = model(input_ids=input_ids, attention_mask=attention_mask).boundaries  # (B, T)
+            for row, (start, first, end) in enumerate(batch):
+                opens[first:end] = boundaries[row, first - start : end - start]
+    finally:
+        model.train(was_training)
+    return opens[1:]
+
+
+def gold_starts(language: str, text: str) -> torch.Tensor:
+    """(N,) bool: the first byte of each whitespace-separated word (en) or each UTF-8 character start."""
+    data = text.encode("utf-8")
+    if language == "en":
+        space = torch.tensor([byte in b" \t\n\r\f\v" for byte in data])
+        previous = torch.cat([torch.tensor([True]), space[:-1]])
+        return ~space & previous
+    return torch.tensor([byte & 0xC0 != 0x80 for byte in data])
+
+
+def boundary_agreement(opens: torch.Tensor, gold: torch.Tensor) -> dict[str, float]:
+    """Rate, bytes per segment, precision/recall of `opens` against `gold`; the first byte (forced open
+    after `<BoS>`) is left out of everything but bytes per segment."""
+    predicted, reference = opens[1:], gold[1:]
+    hits = int((predicted & reference).sum())
+    return dict(
+        rate=float(predicted.float().mean()),
+        bytes_per_segment=len(opens) / max(1, int(opens.sum())),
+        precision=hits / max(1, int(predicted.sum())),
+        recall=hits / max(1, int(reference.sum())),
+        gold_rate=float(reference.float().mean()),
+    )
+
+
+def render_segments(text: str, opens: torch.Tensor, offset: int, chars: int) -> str:
+    """`chars` characters of `text` from byte `offset` (a character start), `|` before each character
+    whose first byte opens a segment, `·` after one that a segment opens inside (between its bytes)."""
+    pieces, position = [], offset
+    for char in text.encode("utf-8")[offset:].decode("utf-8")[:chars]:
+        size = len(char.encode("utf-8"))
+        inside = bool(opens[position + 1 : position + size].any())
+        pieces.append(("|" if opens[position] else "") + char.replace("\n", "⏎") + ("·" if inside else ""))
+        position += size
+    return "".join(pieces)
+
+
+def example_offset(text: str) -> int:
+    """Byte offset of the first line of `text` with at least `EXAMPLE_CHARS` characters (else 0): a
+    choice by length alone, made before any model looks at the text."""
+    offset = 0
+    for line in text.split("\n"):
+        if len(line) >= EXAMPLE_CHARS:
+            return offset
+        offset += len(line.encode("utf-8")) + 1
+    return 0
+
+
+def train_rates(history: list[dict]) -> dict[str, float]:
+    """Mean of each recorded training metric (the LSLM's `boundary_rate`, `expected_boundary_rate`, the
+    share the inference rule would close, losses) over the last 10% of the steps."""
+    tail = history[-max(1, len(history) // 10) :]
+    names = [name for name in tail[0] if all(name in step for step in tail)]
+    return {name: statistics.fmean(step[name] for step in tail) for name in names}
+
+
+def evaluate_segmenter(model, shared: argparse.Namespace, texts: dict[str, str]) -> dict:
+    """Boundary figures of a trained LSLM on the scored `texts` (see the module docstring)."""
+    per_language, opened, scored = {}, 0, 0
+    for language, text in texts.items():
+        opens = segmentation_of(model, text, shared.context, shared.batch_size)
+        cell = boundary_agreement(opens, gold_starts(language, text))
+        offset = example_offset(text)
+        cell["example"] = render_segments(text, opens, offset, EXAMPLE_CHARS)
+        per_language[language] = cell
+        opened, scored = opened + int(opens[1:].sum()), scored + len(opens) - 1
+    elbo = runner.evaluate_elbo_view(model, texts, shared)
+    for language, cell in per_language.items():
+        cell.update(boundary_bits=elbo[language]["boundary_bits"], mean_q=elbo[language]["mean_q"])
+    return dict(languages=per_language, pooled_rate=opened / max(1, scored))
+
+
+def run_model(args: argparse.Namespace, name: str, seed: int, fit: dict, texts: dict) -> dict:
+    """Train model `name` from `seed` on the shared batches, then score it on `texts`."""
+    shared = runner_args(args, seed, name)
+    model = build_model(args, name, seed)
+    generator_steps = None if name != "lslm" else model.config.update_schedule
+    history: list[dict] = []
+    print(
+        f"[seed {seed}] training {name} ({model.num_parameters()} parameters), {args.steps} steps", flush=True
+    )
+    start = time.perf_counter()
+    train_loss = runner.train(model, shared, generator_steps, token_rows(fit), history)
+    train_seconds = time.perf_counter() - start
+    bpb = runner.evaluate(model, texts, shared)
+    # Bits per character: the same total bits over the text's characters instead of its bytes.
+    bpc = {language: bpb[language] * len(text.encode()) / len(text) for language, text in texts.items()}
+    record = dict(model=name, seed=seed, parameters=model.num_parameters(), train_loss=train_loss,
+                  train_seconds=train_seconds, bits_per_byte=bpb, bits_per_char=bpc)  # fmt: skip
+    if name in SEGMENTED:
+        record.update(train_rates=train_rates(history), boundary_rule=model.config.boundary_rule,
+                      heldout=evaluate_segmenter(model, shared, texts))  # fmt: skip
+    record["eval_seconds"] = time.perf_counter() - start - train_seconds
+    print(f"[seed {seed}] {name}: train {train_seconds:.0f}s, eval {record['eval_seconds']:.0f}s", flush=True)
+    return record
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def cell(values: list[float], digits: int = 3) -> str:
+    mean, std = mean_std(values)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def by_model(runs: list[dict]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for run in runs:
+        grouped.setdefault(run["model"], []).append(run)
+    return grouped
+
+
+def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
+    print(f"\n[models] width {args.width} everywhere, heads of width {HEAD_WIDTH}")
+    shapes = dict(
+        gpt2=f"GPT-2 {gpt2_depth(args)} layers",
+        lslm=f"LSLM {'+'.join(map(str, args.layers))} layers, KL prior, interleaved k=1",
+        dtp=f"LSLM {'+'.join(map(str, args.layers))} layers, binomial prior, joint",
+    )
+    for name, count in counts.items():
+        print(f"{name:<5} {count:>9} parameters ({count / counts['lslm'] - 1:+.1%} vs lslm)  {shapes[name]}")
+
+
+def print_score_tables(runs: list[dict], split: str) -> None:
+    grouped = by_model(runs)
+    for field, title in (("bits_per_byte", "bits per byte"), ("bits_per_char", "bits per character")):
+        print(f"\n[{split} {title}] mean ± std over seeds")
+        print(f"{'model':<6}" + "".join(f"{language:>18}" for language in LANGUAGES))
+        for name, group in grouped.items():
+            print(
+                f"{name:<6}" + "".join(f"{cell([r[field][lang] for r in group]):>18}" for lang in LANGUAGES)
+            )
+    print("\n[paired differences, bits per byte] per seed (same batches), mean ± std; < 0: first is better")
+    print(f"{'pair':<12}" + "".join(f"{language:>18}" for language in LANGUAGES))
+    for first, second in (("lslm", "gpt2"), ("dtp", "gpt2"), ("lslm", "dtp")):
+        pairs = list(zip(grouped[first], grouped[second], strict=True))
+        cells = [
+            cell([a["bits_per_byte"][lang] - b["bits_per_byte"][lang] for a, b in pairs])
+            for lang in LANGUAGES
+        ]
+        print(f"{first + '-' + second:<12}" + "".join(f"{text:>18}" for text in cells))
+
+
+def rate_rows(group: list[dict]) -> dict[str, list[float]]:
+    return dict(
+        sampled=[run["train_rates"]["boundary_rate"] for run in group],
+        mean_q=[run["train_rates"]["expected_boundary_rate"] for run in group],
+        heldout=[run["heldout"]["pooled_rate"] for run in group],
+        ratio=[run["heldout"]["pooled_rate"] / run["train_rates"]["boundary_rate"] for run in group],
+    )
+
+
+def print_boundary_tables(runs: list[dict], split: str) -> None:
+    grouped = {name: group for name, group in by_model(runs).items() if name in SEGMENTED}
+    print(f"\n[boundary rate: training (last 10% of steps) vs {split} inference, all languages pooled]")
+    titles = ("train sampled", "train mean q", f"{split} rate", "ratio")
+    print(f"{'model':<6}" + "".join(f"{title:>16}" for title in titles) + "  within ±20%")
+    for name, group in grouped.items():
+        rows = rate_rows(group)
+        within = all(abs(ratio - 1) <= RATE_TOLERANCE for ratio in rows["ratio"])
+        cells = "".join(f"{cell(rows[key]):>16}" for key in ("sampled", "mean_q", "heldout", "ratio"))
+        print(f"{name:<6}{cells}  {'yes' if within else 'NO'} (every seed)")
+    print(f"\n[{split} segmentation] opens vs word starts (en), UTF-8 character starts (zh, ja)")
+    print("(gold rate: the share of gold bytes, i.e. the precision of segments opened at random)")
+    header = ("rate", "bytes/seg", "precision", "recall", "gold rate", "<nxt> bits/B")
+    print(f"{'model':<6}{'lang':>5}" + "".join(f"{title:>16}" for title in header))
+    for name, group in grouped.items():
+        for language in LANGUAGES:
+            cells = [run["heldout"]["languages"][language] for run in group]
+            keys = ("rate", "bytes_per_segment", "precision", "recall", "gold_rate", "boundary_bits")
+            print(f"{name:<6}{language:>5}" + "".join(f"{cell([c[key] for c in cells]):>16}" for key in keys))
+    print(
+        f"\n[{split} examples, seed {runs[0]['seed']}] '|': a segment opens at the character; '·': inside it"
+    )
+    for name, group in grouped.items():
+        for language in LANGUAGES:
+            print(f"{name:<5} {language}: {group[0]['heldout']['languages'][language]['example']}")
+
+
+def print_timings(runs: list[dict], wall: float, args: argparse.Namespace) -> None:
+    print(f"\n[wall time] {args.threads} torch threads, seeds {','.join(map(str, args.seeds))}")
+    print(f"{'model':<6}{'train s/seed':>16}{'eval s/seed':>16}{'all seeds s':>14}")
+    for name, group in by_model(runs).items():
+        train_s, eval_s = [r["train_seconds"] for r in group], [r["eval_seconds"] for r in group]
+        print(f"{name:<6}{cell(train_s, 1):>16}{cell(eval_s, 1):>16}{sum(train_s) + sum(eval_s):>14.1f}")
+    print(f"total wall time: {wall:.1f} s ({wall / 60:.1f} min)")
+
+
+def directions(runs: list[dict]) -> dict[str, bool]:
+    """The paper's directions, read off the means (held-out or validation, as run)."""
+    grouped = by_model(runs)
+
+    def stats(name: str, language: str) -> tuple[float, float]:
+        return mean_std([run["bits_per_byte"][language] for run in grouped[name]])
+
+    verdict = {
+        f"lslm<=gpt2 {lang}": stats("lslm", lang)[0] <= stats("gpt2", lang)[0] for lang in ("zh", "ja")
+    }
+    verdict["lslm<=gpt2+1std en"] = stats("lslm", "en")[0] <= sum(stats("gpt2", "en"))
+    for name in SEGMENTED:
+        verdict[f"{name} precision>chance all"] = all(
+            c["precision"] > c["gold_rate"]
+            for run in grouped[name]
+            for c in run["heldout"]["languages"].values()
+        )
+        verdict[f"{name} rate within ±20%"] = all(
+            abs(r - 1) <= RATE_TOLERANCE for r in rate_rows(grouped[name])["ratio"]
+        )
+    return verdict
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    counts = {name: build_model(args, name, 0).num_parameters() for name in MODELS}
+    check_parameter_match(counts)
+    print_models(counts, args)
+    fit, texts = texts_for(args)
+    split = "validation" if args.validation else "held-out"
+    sizes = ", ".join(f"{lang} {len(text.encode())} B / {len(text)} chars" for lang, text in texts.items())
+    print(f"scored ({split}): {sizes}; torch {torch.__version__}, {args.threads} threads", flush=True)
+    runs = [run_model(args, name, seed, fit, texts) for seed in args.seeds for name in MODELS]
+    wall = time.perf_counter() - start
+    print_score_tables(runs, split)
+    print_boundary_tables(runs, split)
+    print_timings(runs, wall, args)
+    verdict = directions(runs)
+    print(
+        "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())
+    )
+    result = dict(
+        command=" ".join([Path(sys.executable).name, *sys.argv]), args=vars(args), split=split,
+        threads=args.threads, seeds=list(args.seeds), parameters=counts, gpt2_layers=gpt2_depth(args),
+        python=platform.python_version(), torch=torch.__version__, wall_seconds=wall, runs=runs,
+        directions=verdict, paper_table_1=PAPER_TABLE_1,
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2, ensure_ascii=False)
+    return result
+
+
+if __name__ == "__main__":
+    main()
