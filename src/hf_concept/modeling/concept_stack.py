@@ -236,7 +236,9 @@ class ConceptModelOutput(ModelOutput):
 
 @dataclass
 class ConceptCausalLMOutput(ModelOutput):
-    """Causal-LM output; the metric fields are detached (`compression_ratio` = real tokens per concept)."""
+    """Causal-LM output; the metric fields are detached. `compression_ratio`: real tokens per concept of
+    the boundaries this pass used (sampled in training); `inference_compression_ratio`: the same with the
+    inference decisions (thresholded) on the same tokens, what generation realises."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -245,6 +247,7 @@ class ConceptCausalLMOutput(ModelOutput):
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     compression_ratio: torch.Tensor | None = None
+    inference_compression_ratio: torch.Tensor | None = None
     boundary_prob_mean: torch.Tensor | None = None
 
 
@@ -274,7 +277,30 @@ class ConceptCausalLMMixin(CausalLMMixin):
             lm_loss=None if lm_loss is None else lm_loss.detach(),
             aux_loss=None if aux_loss is None else aux_loss.detach(),
             compression_ratio=(mask.sum() / (opens & mask).sum().clamp_min(1)).detach().float(),
+            inference_compression_ratio=(
+                mask.sum() / (self.inference_boundaries(outputs) & mask).sum().clamp_min(1)
+            )
+            .detach()
+            .float(),
             boundary_prob_mean=outputs.boundary_probs[mask].mean().detach() if mask.any() else None,
+        )
+
+    @torch.no_grad()
+    def inference_boundaries(self, outputs: ConceptModelOutput) -> torch.Tensor:
+        """(B, L) the boundaries inference would take on this pass's tokens: the pass's own outside
+        training and for fixed or rule chunking (no sampling), else the thresholded probabilities."""
+        config = self.config
+        if not self.training or config.chunking == "fixed" or config.router == "rule":
+            return outputs.boundaries
+        return boundary_decisions(
+            outputs.boundary_probs,
+            outputs.document_starts,
+            outputs.token_mask,
+            noise=config.boundary_noise,
+            threshold=config.boundary_threshold,
+            tau=config.boundary_tau,
+            sigma=config.boundary_sigma,
+            training=False,
         )
 
     def auxiliary_loss(

@@ -77,6 +77,15 @@ def _final_train_loss(log_history: list[dict[str, Any]]) -> float | None:
     return loss if loss is not None else _last_logged(log_history, "train_loss")
 
 
+def _inference_compression(eval_metrics: dict[str, float], log_history: list[dict[str, Any]]) -> float | None:
+    """The headline ratio is the one generation realises: the evaluation's (inference mode), else the
+    last logged inference ratio of training, else (families without one) the last logged ratio."""
+    if "eval_compression_ratio" in eval_metrics:
+        return eval_metrics["eval_compression_ratio"]
+    inferred = _last_logged(log_history, "inference_compression_ratio")
+    return inferred if inferred is not None else _last_logged(log_history, "compression_ratio")
+
+
 def _compression_note(trainer: RecipeTrainer, model: PreTrainedModel, evaluated: bool) -> str:
     """Why no compression figure exists: it is logged only at logging steps and evaluations."""
     if getattr(model.config, "model_type", None) == "hidden_decoding":
@@ -151,9 +160,7 @@ def finish(
     merged = hasattr(model, "merge_and_unload")
     if merged:
         model = model.merge_and_unload()
-    compression = eval_metrics.get(
-        "eval_compression_ratio", _last_logged(state.log_history, "compression_ratio")
-    )
+    compression = _inference_compression(eval_metrics, state.log_history)
     result = TrainResult(
         output_dir=out,
         model=model,
