@@ -62,10 +62,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_bits_per_byte as runner
 
 from hf_concept.data import LANGUAGES, load_text
-from hf_concept.evaluation import byte_gpt2_baseline, gpt2_num_parameters, padded_windows
+from hf_concept.evaluation import byte_gpt2_baseline, gpt2_num_parameters, padded_windows, scoring_windows
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
+from hf_concept.utils import eval_mode
 
 MODELS = ("gpt2", "lslm", "dtp")
 SEGMENTED = ("lslm", "dtp")
@@ -210,23 +211,15 @@ def segmentation_of(model: torch.nn.Module, text: str, context: int, batch_size:
     `bits_per_byte`'s windows (stride context/2), each byte read in the window that scores it, so that its
     decision sees at least context/2 bytes before it (all of them near the start)."""
     tokens = torch.tensor([SEQUENCE_START_ID, *(BYTE_OFFSET + b for b in text.encode("utf-8"))])
-    stride = max(1, context // 2)
-    windows = []
-    for first in range(1, len(tokens), stride):
-        end = min(first + stride, len(tokens))
-        windows.append((max(0, end - context), first, end))
+    windows = scoring_windows(len(tokens), context, max(1, context // 2))
     opens = torch.zeros(len(tokens), dtype=torch.bool)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for index in range(0, len(windows), batch_size):
             batch = windows[index : index + batch_size]
             input_ids, attention_mask = padded_windows(tokens, batch)
             boundaries = model(input_ids=input_ids, attention_mask=attention_mask).boundaries  # (B, T)
             for row, (start, first, end) in enumerate(batch):
                 opens[first:end] = boundaries[row, first - start : end - start]
-    finally:
-        model.train(was_training)
     return opens[1:]
 
 

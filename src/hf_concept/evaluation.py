@@ -129,7 +129,7 @@ def _byte_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return ids
 
 
-def _windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+def scoring_windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """(window start, first scored position, window end) over token positions 0..num_tokens-1."""
     windows = []
     for first in range(1, num_tokens, stride):
@@ -195,7 +195,7 @@ def bits_per_byte(
     """
     stride = _check_window(model, context, stride, batch_size)
     tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
-    windows = _windows(len(tokens), context, stride)
+    windows = scoring_windows(len(tokens), context, stride)
     was_training = model.training
     model.eval()
     try:
@@ -315,7 +315,7 @@ def lslm_code_length(
     `LSLMForCausalLM`; it runs in eval mode (its training flag is restored afterwards)."""
     stride = _check_window(model, context, stride, batch_size)
     tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
-    windows = _windows(len(tokens), context, stride)
+    windows = scoring_windows(len(tokens), context, stride)
     totals = torch.zeros(4, dtype=torch.float64)
     was_training = model.training
     model.eval()

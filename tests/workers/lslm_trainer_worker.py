@@ -11,9 +11,9 @@ boundary sampler's Gumbel noise is zero (a byte ends its segment when the router
 threshold) and the config has no dropout. Plain SGD without clipping or weight decay makes the update a
 fixed multiple of the gradient, so a loss scaled wrongly shows up in the parameters too.
 
-Rows are padded on the right. Trainer's `num_items_in_batch` counts `labels[..., 1:] != -100`; with left
-padding that count includes each padded row's first token (HF's shift predicts it from a pad column) but
-not an unpadded row's, so the same rows would get another normaliser in another batch.
+Rows are padded on the right. Trainer's `num_items_in_batch` counts `labels[..., 1:] != -100`;
+`PaddingCollator` leaves each row's first token unlabelled on either side, so the count is the predicted
+bytes whatever the padding (tests/test_lslm_hf_contracts.py checks the collator for both sides).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_concept.modeling import modeling_lslm
-from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.training.data import PaddingCollator
+from tests.conformance.families import _lslm_config
 
 # Bytes per row: any two rows hold another number of bytes than the other two, so DDP's halves differ in
 # size whatever rows the sampler gives each rank, and the rows need padding in a batch.
@@ -46,25 +46,8 @@ def build_rows() -> list[dict[str, list[int]]]:
 
 
 def build_model() -> modeling_lslm.LSLMForCausalLM:
-    """The conformance suite's tiny LSLM (tests/conformance/families.py), seeded."""
-    config = LSLMConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        token_encoder_layers=2,
-        segment_encoder_layers=2,
-        decoder_layers=2,
-        token_hidden_size=16,
-        token_num_attention_heads=2,
-        decoder_hidden_size=24,
-        decoder_num_attention_heads=2,
-        router_intermediate_size=32,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        boundary_threshold=0.45,
-        kl_weight=0.5,
-        attention_dropout=0.0,
-    )
+    """The conformance suite's tiny LSLM (tests/conformance/families.py), seeded, without dropout."""
+    config = _lslm_config(kl_weight=0.5, attention_dropout=0.0)
     torch.manual_seed(0)
     return modeling_lslm.LSLMForCausalLM(config)
 

@@ -273,7 +273,8 @@ def corpus_ids(tokenizer, split: str) -> list[int]:
     return ids
 
 
-def training_arguments(work: Path, name: str, steps: int, lr: float, sizes: DemoSizes, seed: int):
+def training_arguments(work: Path, name: str, steps: int, lr: float, sizes: Any, seed: int):
+    """The demo's `TrainingArguments` for one run (`sizes`: any object with `batch_size`)."""
     from transformers import TrainingArguments
 
     return TrainingArguments(

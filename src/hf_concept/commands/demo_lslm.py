@@ -82,8 +82,9 @@ def byte_rows(tokenizer, split: str, seq_len: int, count: int, seed: int) -> lis
 def train_lslm(sizes: LSLMDemoSizes, seed: int, work: Path) -> tuple[Any, Any, dict[str, float]]:
     """(model, tokenizer, figures): train with ConceptTrainer + InterleavedUpdates on byte crops."""
     import torch
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
+    from hf_concept.commands.demo import training_arguments
     from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
     from hf_concept.modeling.tokenization_lslm import ByteTokenizer
     from hf_concept.training.lslm import InterleavedUpdates
@@ -97,23 +98,7 @@ def train_lslm(sizes: LSLMDemoSizes, seed: int, work: Path) -> tuple[Any, Any, d
     print(f"  {parameters / 1e6:.2f} M parameters, {shape}")
     rows = byte_rows(tokenizer, "train", sizes.seq_len, sizes.steps * sizes.batch_size, seed)
     dataset = [{"input_ids": torch.tensor(row), "labels": torch.tensor(row)} for row in rows]
-    arguments = TrainingArguments(
-        output_dir=str(work / "trainer-lslm"),
-        max_steps=sizes.steps,
-        per_device_train_batch_size=sizes.batch_size,
-        learning_rate=sizes.lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, sizes.steps // 10),
-        weight_decay=0.01,
-        logging_steps=max(1, sizes.steps // 4),
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        seed=seed,
-        data_seed=seed,
-        dataloader_num_workers=0,
-        disable_tqdm=False,
-    )
+    arguments = training_arguments(work, "lslm", sizes.steps, sizes.lr, sizes, seed)
     trainer = ConceptTrainer(
         model=model,
         args=arguments,

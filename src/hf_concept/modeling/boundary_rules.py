@@ -35,22 +35,27 @@ def crosses(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     )
 
 
-def rate_matched_ends(probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: the "rate" rule over whole rows; `counted` marks the bytes the router decides,
-    `starts` the first column of each document (its running sum starts at 0)."""
+def _running_sums(
+    probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) int64 running sums of each document's units before and after each column."""
     units = rate_units(probs, counted)
     total = torch.cumsum(units, dim=1)
     before = total - units
     # The running sum restarts at each document: subtract what the row held before its first column.
     # `before` never decreases along a row, so the latest start's value is the running maximum.
     base = torch.cummax(torch.where(starts, before, torch.zeros_like(before)), dim=1).values
-    return crosses(before - base, total - base) & counted
+    return before - base, total - base
+
+
+def rate_matched_ends(probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the "rate" rule over whole rows; `counted` marks the bytes the router decides,
+    `starts` the first column of each document (its running sum starts at 0)."""
+    before, after = _running_sums(probs, counted, starts)
+    return crosses(before, after) & counted
 
 
 def running_units(probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """(B,) int64: each row's running sum after its last column (the last document's), for the cache."""
-    units = rate_units(probs, counted)
-    total = torch.cumsum(units, dim=1)
-    before = total - units
-    base = torch.cummax(torch.where(starts, before, torch.zeros_like(before)), dim=1).values
-    return (total - base)[:, -1] if units.shape[1] else units.new_zeros(units.shape[0])
+    _, after = _running_sums(probs, counted, starts)
+    return after[:, -1] if after.shape[1] else after.new_zeros(after.shape[0])

@@ -148,7 +148,14 @@ class ConceptStackMixin:
         if config.router == "rule":
             # DLCM §8.1: a fixed threshold on the dissimilarity, no sampling.
             return probs, (rule_boundaries(probs, config.rule_threshold) | starts) & mask, keys
-        opens = boundary_decisions(
+        return probs, self.decide_boundaries(probs, starts, mask, self.training), keys
+
+    def decide_boundaries(
+        self, probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, training: bool
+    ) -> torch.Tensor:
+        """The learned router's decisions with the config's noise: sampled in training, else thresholded."""
+        config = self.config
+        return boundary_decisions(
             probs,
             starts,
             mask,
@@ -156,9 +163,8 @@ class ConceptStackMixin:
             threshold=config.boundary_threshold,
             tau=config.boundary_tau,
             sigma=config.boundary_sigma,
-            training=self.training,
+            training=training,
         )
-        return probs, opens, keys
 
     def concept_masks(self, slots: tuple[torch.Tensor, ...], num_queries: int) -> dict[str, Any]:
         """One mask per attention type used by the concept layers.
@@ -292,15 +298,8 @@ class ConceptCausalLMMixin(CausalLMMixin):
         config = self.config
         if not self.training or config.chunking == "fixed" or config.router == "rule":
             return outputs.boundaries
-        return boundary_decisions(
-            outputs.boundary_probs,
-            outputs.document_starts,
-            outputs.token_mask,
-            noise=config.boundary_noise,
-            threshold=config.boundary_threshold,
-            tau=config.boundary_tau,
-            sigma=config.boundary_sigma,
-            training=False,
+        return self.model.decide_boundaries(
+            outputs.boundary_probs, outputs.document_starts, outputs.token_mask, training=False
         )
 
     def auxiliary_loss(

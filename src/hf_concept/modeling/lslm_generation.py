@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .boundary_rules import crosses, rate_units, running_units
-from .lslm_layout import ByteView, _first_id, document_causal_mask
+from .lslm_layout import ByteView, always_closing, document_causal_mask
 from .pooling import pool_open_chunk
 from .segment_cache import SegmentCache
 
@@ -23,7 +23,7 @@ class SegmentCacheSteps:
         closed = cache.segment_store.lengths  # the closed-segment count, set before the pass
         count = (segmentation.index.max(dim=1).values + 1).clamp(min=0)
         cache.token_valid, cache.byte_counts = view.mask, view.mask.sum(dim=1)
-        special = (view.ids == self.config.bos_token_id) | (view.ids == _first_id(self.config.eos_token_id))
+        special = always_closing(view.ids, self.config)
         cache.rate_units = running_units(segmentation.probs, view.mask & ~special, view.starts)
         table = torch.cat(
             [self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1), segments], 1
@@ -88,7 +88,7 @@ class SegmentCacheSteps:
         is_byte = real & ~is_marker
         token_states = self.token_step(input_ids, is_byte, cache)  # (B, Dt)
         probs = torch.sigmoid(self.router(token_states[:, None]))[:, 0]
-        special = (input_ids == config.bos_token_id) | (input_ids == _first_id(config.eos_token_id))
+        special = always_closing(input_ids, config)
         content_ends = is_byte & (self.step_decisions(probs, is_byte & ~special, cache) | special)
         cache.push_open_states(token_states, is_byte)
         closing = content_ends | (is_marker & (cache.open_counts > 0))

@@ -158,6 +158,11 @@ def _segment_starts(segment_documents: torch.Tensor, valid: torch.Tensor) -> tor
     return valid & (segment_documents != previous)
 
 
+def always_closing(ids: torch.Tensor, config) -> torch.Tensor:
+    """Bool mask of `<BoS>` and `<eos>` ids: bytes that end their segment whatever the router says."""
+    return (ids == config.bos_token_id) | (ids == _first_id(config.eos_token_id))
+
+
 def _first_id(token_id: int | list[int] | None) -> int:
     return token_id[0] if isinstance(token_id, list) else (-1 if token_id is None else token_id)
 
@@ -204,6 +209,5 @@ def slot_confidence(
     table = confidence.new_ones(confidence.shape[0], total + 1)
     table[:, : sink + 1].scatter_(1, slot, confidence)
     table[:, : sink + 1].scatter_(1, bos_slot, _previous(confidence, 1.0))
-    # The sink column received what belongs to no slot; the pending slots after it keep 1.
-    table[:, sink] = 1.0
-    return torch.cat([table[:, :sink], table[:, sink + 1 :]], dim=1)[:, :total]
+    # Drop the sink column (what belongs to no slot); the pending slots after it keep 1.
+    return torch.cat([table[:, :sink], table[:, sink + 1 :]], dim=1)

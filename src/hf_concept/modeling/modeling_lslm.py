@@ -73,6 +73,7 @@ from .lslm_layout import (
     _previous,
     _segment_starts,
     _with_pending_slots,
+    always_closing,
     byte_view,
     closed_segments,
     document_causal_mask,
@@ -337,7 +338,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         probs = torch.sigmoid(logits)
         # The last byte of a document that another document follows in the row ends a segment.
         next_starts = F.pad(view.starts, (0, 1), value=False)[:, 1:]
-        special = (view.ids == config.bos_token_id) | (view.ids == _first_id(config.eos_token_id))
+        special = always_closing(view.ids, config)
         forced = (special | next_starts | view.marker_ends) & mask
         # What inference decides (also in training, for the logged inference rate).
         inferred = self.inference_decisions(probs, mask & ~special, view.starts)
