@@ -73,7 +73,7 @@ def test_every_family_card_round_trips_with_settings_figures_and_snippet(tmp_pat
     assert recorded["evaluation"] == EVALUATION and recorded["training"] == TRAINING
     assert recorded["realised_compression"] == 1.98765 and recorded["load_id"] == "org/tiny"
     unit = "bytes per segment" if family == "lslm" else "tokens per concept"
-    assert f"| realised compression ({unit}) | 1.988 |" in text
+    assert f"| realised compression at inference ({unit}) | 1.988 |" in text
     assert "| eval_loss | 2.346 |" in text and "| bits_per_byte | 1.25 |" in text
     assert "| learning_rate | 0.0003 |" in text and "| data | bundled corpus |" in text
     assert 'model = AutoModelForCausalLM.from_pretrained("org/tiny", trust_remote_code=True)' in text

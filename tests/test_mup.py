@@ -81,7 +81,8 @@ def test_standard_parametrisation_keeps_the_base_rates():
 
 
 def test_parameters_land_in_their_stage_group():
-    model = _model()
+    # The W_s form: its smoothing matrix is a concept-stage parameter too.
+    model = _model(smoothing="linear")
     by_hand = {
         "model.encoder_layers.0.self_attn.q_proj.weight": "token",
         "model.encoder_layers.0.mlp.down_proj.weight": "token",

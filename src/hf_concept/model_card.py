@@ -156,7 +156,7 @@ def figures(family: str, compression: float | None, evaluation: dict[str, float]
     rows = []
     if compression is not None:
         unit = COMPRESSION_UNITS.get(family, "tokens per concept")
-        rows.append((f"realised compression ({unit})", _number(compression)))
+        rows.append((f"realised compression at inference ({unit})", _number(compression)))
     rows.extend((name, _number(value)) for name, value in (evaluation or {}).items())
     return rows
 

@@ -232,6 +232,7 @@ class DLCMSpec:
     cross_head_dim: int | None = None
     compression_ratio: float = 4.0
     router: str = "cosine"
+    smoothing: str = "ema"
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     attention_output_bias: bool = False
@@ -250,6 +251,8 @@ class DLCMSpec:
             raise ValueError(f"compression_ratio={ratio!r} must be a number > 1")
         if self.router not in ("cosine", "rule"):
             raise ValueError(f"router={self.router!r} must be one of ('cosine', 'rule')")
+        if self.smoothing not in ("ema", "linear"):
+            raise ValueError(f"smoothing={self.smoothing!r} must be one of ('ema', 'linear')")
         _check_bools(self, _FLAGS)
 
     def _fill_defaults(self) -> None:
@@ -267,6 +270,9 @@ class DLCMSpec:
         _check_dense_full_attention(values)
         fields = _read_fields(cls, values, _DLCM_REQUIRED)
         fields.setdefault("tie_word_embeddings", False)
+        # As DLCMConfig reads it: a saved config from before the field existed used the W_s form.
+        if values.get("model_type") == "dlcm":
+            fields.setdefault("smoothing", "linear")
         return cls(**fields)
 
     @classmethod
@@ -308,8 +314,9 @@ _DLCM_SIZES = (
 # d_concept 3072, 10 / 16 / 6 layers, token heads 24 with 12 KV heads, backbone 48 heads with 24 KV heads
 # (head dim 64 throughout). Table 3's MLP widths, "4,096 / 6,144 (Self)" and "– / 6,144 (Cross)", are read
 # here as token MLPs at 4096 (DLCMConfig has one token MLP width) and concept MLPs at 6144; the
-# cross-attention takes the token heads (24, 12 KV, dim 64). This gives 2.25B parameters and P = 0.605;
-# reading 6144 as the token MLP width instead gives 2.40B and P = 0.57.
+# cross-attention takes the token heads (24, 12 KV, dim 64). With the default ("ema", parameter-free)
+# smoothing this gives 2.24B parameters and P = 0.608 (2.25B and 0.605 with a W_s); reading 6144 as the
+# token MLP width instead gives 2.40B and P = 0.57.
 PRESETS: dict[str, BaselineSpec] = {
     "dlcm-paper-baseline-1.3b": BaselineSpec(
         vocab_size=128815,
@@ -436,7 +443,7 @@ def parameter_groups(spec: BaselineSpec | DLCMSpec) -> dict[str, int]:
         "model.null_concept": concept_width,
         "model.concept_layers": spec.concept_layers * _concept_layer(spec),
         "model.concept_norm": concept_width,
-        "model.smoothing": concept_width * concept_width,
+        "model.smoothing": concept_width * concept_width if spec.smoothing == "linear" else 0,
         "model.decoder_layers": spec.decoder_layers
         * (_token_layer(spec, spec.decoder_intermediate_size) + _cross_attention_parameters(spec)),
         "model.norm": width,
@@ -538,7 +545,8 @@ def _dlcm_stages(spec: DLCMSpec, context_length: int, cross_attention: str) -> l
         Stage("router", 1.0, 2 * width * width if spec.router == "cosine" else 0),
         Stage("concept_in_proj", per_concept, concept_width * width),
         _concept_stage(spec, concepts),
-        Stage("smoothing", per_concept, concept_width * concept_width),
+        # "ema" smoothing is elementwise (not counted, as norms are); "linear" multiplies W_s.
+        Stage("smoothing", per_concept, concept_width * concept_width if spec.smoothing == "linear" else 0),
         Stage(
             name="cross_key_value",
             runs_per_token=per_concept,

@@ -185,6 +185,16 @@ def _hidden_decoding_class() -> type:
     return HiddenDecodingForCausalLM
 
 
+# ConceptMoE and DLCM log the sampled ratio, the inference one and the one expected under the sampler.
+CONCEPT_METRICS = (
+    "lm_loss",
+    "aux_loss",
+    "compression_ratio",
+    "inference_compression_ratio",
+    "sampled_compression_ratio",
+)
+
+
 def _dlcm_config(**overrides: Any):
     from hf_concept.modeling.configuration_dlcm import DLCMConfig
 
@@ -216,7 +226,15 @@ def _dlcm_config(**overrides: Any):
 
 
 def _dlcm_rule_mup_config(**overrides: Any):
-    values = dict(router="rule", rule_threshold=0.3, qk_norm=True, mup_base_width=16, ratio_scope="sequence")
+    # The W_s smoothing here, so that the suite covers both forms (the default spec runs "ema").
+    values = dict(
+        router="rule",
+        rule_threshold=0.3,
+        qk_norm=True,
+        mup_base_width=16,
+        ratio_scope="sequence",
+        smoothing="linear",
+    )
     values.update(overrides)
     return _dlcm_config(**values)
 
@@ -297,7 +315,7 @@ FAMILIES: list[FamilySpec] = [
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
         invalid_values=(("pooling", "max"), ("compression_ratio", 1.0), ("joint_decoding_layers", 3)),
         force_boundaries=_fixed_chunks,
-        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+        logged_metrics=CONCEPT_METRICS,
     ),
     FamilySpec(
         name="conceptmoe-mean",
@@ -306,7 +324,7 @@ FAMILIES: list[FamilySpec] = [
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
         invalid_values=(("dechunk_residual", "input"), ("concept_loop", [0, 2, 1]), ("encoder_layers", 4)),
         force_boundaries=_fixed_chunks,
-        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+        logged_metrics=CONCEPT_METRICS,
     ),
     FamilySpec(
         name="hidden-decoding",
@@ -331,9 +349,14 @@ FAMILIES: list[FamilySpec] = [
         make_config=_dlcm_config,
         model_class=_dlcm_class,
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
-        invalid_values=(("router", "linear"), ("concept_layers", 0), ("cross_head_dim", 7)),
+        invalid_values=(
+            ("router", "linear"),
+            ("concept_layers", 0),
+            ("cross_head_dim", 7),
+            ("smoothing", "mean"),
+        ),
         force_boundaries=_fixed_chunks,
-        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+        logged_metrics=CONCEPT_METRICS,
     ),
     FamilySpec(
         name="dlcm-rule-mup",
@@ -342,7 +365,7 @@ FAMILIES: list[FamilySpec] = [
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
         invalid_values=(("mup_base_width", 0), ("rule_threshold", 1.5), ("num_experts", 4)),
         force_boundaries=_fixed_chunks,
-        logged_metrics=("lm_loss", "aux_loss", "compression_ratio"),
+        logged_metrics=CONCEPT_METRICS,
     ),
     FamilySpec(
         name="lslm",

@@ -278,6 +278,10 @@ def test_trainer_lowers_loss_and_logs_metrics(spec, tmp_path):
     assert logged, trainer.state.log_history
     for name in spec.logged_metrics:
         assert all(name in entry for entry in logged), (name, logged)
+    # Evaluation reports the same figures (the ratio loss is a training term only).
+    evaluated = trainer.evaluate(eval_dataset=dataset[:4])
+    for name in spec.logged_metrics:
+        assert name == "aux_loss" or f"eval_{name}" in evaluated, (name, evaluated)
 
 
 def _gradients(model, batch) -> dict[str, torch.Tensor]:

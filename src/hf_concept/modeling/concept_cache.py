@@ -46,8 +46,8 @@ class ConceptState:
     read_slot (B,), read_counts (B, N): DLCM's cross-attention — the slot the row's last real token
     carried (-1: none yet; 0 is the null concept, slot j of the cache is j + 1) and, per slot, how many
     positions of the row's current document carried it.
-    last_concept (B, Dc), last_concept_document (B,): DLCM's smoothing — the row's latest concept before
-    smoothing and its document (-1: none).
+    last_concept (B, Dc), last_concept_document (B,): DLCM's smoothing — the row's latest concept (after
+    smoothing under "ema", before it under "linear") and its document (-1: none).
     """
 
     previous_key: torch.Tensor

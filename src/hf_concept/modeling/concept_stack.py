@@ -29,7 +29,7 @@ from .concept_cache import ConceptCache, ConceptState
 from .forward_only_cache import adopt_cache
 from .modeling_plain import CausalLMMixin, PlainDecoderModel, default_position_ids
 from .packing import document_starts, token_mask
-from .routing import boundary_decisions, ratio_loss, rule_boundaries, scale_aux_loss
+from .routing import boundary_decisions, expected_boundaries, ratio_loss, rule_boundaries, scale_aux_loss
 
 
 class ConfigView:
@@ -244,7 +244,9 @@ class ConceptModelOutput(ModelOutput):
 class ConceptCausalLMOutput(ModelOutput):
     """Causal-LM output; the metric fields are detached. `compression_ratio`: real tokens per concept of
     the boundaries this pass used (sampled in training); `inference_compression_ratio`: the same with the
-    inference decisions (thresholded) on the same tokens, what generation realises."""
+    inference decisions (thresholded) on the same tokens, what generation realises;
+    `sampled_compression_ratio`: real tokens per boundary expected under training's sampler on the same
+    tokens (`routing.expected_boundaries`), so that evaluation reports the training rate too."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -254,6 +256,7 @@ class ConceptCausalLMOutput(ModelOutput):
     aux_loss: torch.Tensor | None = None
     compression_ratio: torch.Tensor | None = None
     inference_compression_ratio: torch.Tensor | None = None
+    sampled_compression_ratio: torch.Tensor | None = None
     boundary_prob_mean: torch.Tensor | None = None
 
 
@@ -288,6 +291,7 @@ class ConceptCausalLMMixin(CausalLMMixin):
             )
             .detach()
             .float(),
+            sampled_compression_ratio=mask.sum() / self.expected_boundaries(outputs).sum().clamp_min(1),
             boundary_prob_mean=outputs.boundary_probs[mask].mean().detach() if mask.any() else None,
         )
 
@@ -300,6 +304,23 @@ class ConceptCausalLMMixin(CausalLMMixin):
             return outputs.boundaries
         return self.model.decide_boundaries(
             outputs.boundary_probs, outputs.document_starts, outputs.token_mask, training=False
+        )
+
+    @torch.no_grad()
+    def expected_boundaries(self, outputs: ConceptModelOutput) -> torch.Tensor:
+        """(B, L) probability of a boundary at each token under training's decisions: the sampler's for
+        the learned router, the pass's own boundaries for fixed or rule chunking (nothing is sampled)."""
+        config = self.config
+        if config.chunking == "fixed" or config.router == "rule":
+            return (outputs.boundaries & outputs.token_mask).float()
+        return expected_boundaries(
+            outputs.boundary_probs,
+            outputs.document_starts,
+            outputs.token_mask,
+            noise=config.boundary_noise,
+            threshold=config.boundary_threshold,
+            tau=config.boundary_tau,
+            sigma=config.boundary_sigma,
         )
 
     def auxiliary_loss(

@@ -45,6 +45,8 @@ class ConceptMoEConfig(PlainDecoderConfig):
         "lm_loss",
         "aux_loss",
         "compression_ratio",
+        "inference_compression_ratio",
+        "sampled_compression_ratio",
         "boundary_prob_mean",
         "hidden_states",
     ]

@@ -11,6 +11,16 @@ parameter-free rule router (`router="rule"`, boundary where ½(1 − cos(h_{t−
 the §8.1 comparison); `chunking="fixed"` opens a chunk every `compression_ratio` tokens instead. The ratio
 loss is global (`ratio_scope="global"`, the Global Parser) or per sequence ("Normal", Table 4).
 
+Smoothing (§3.5.1, `smoothing.py`): `"ema"` (default) is H-Net's, which DLCM says it follows: z̃_m =
+p_m z_m + (1 − p_m) z̃_{m−1} with p_m the opening token's boundary probability, and each token's
+cross-attention output multiplied by the straight-through confidence of its decision (value 1). It is the
+default because it is the only form through which the LM loss reaches the learned router — the gradient
+§8.1 (eq. 24) is about; with the W_s form a learned router follows the ratio loss alone, blind to what
+the LM needs. §3.3 and §8.1 warn that this gradient can pull a learned router below its target ratio
+("creep-up"); for segmentation decoupled from the LM loss choose `router="rule"`, whose probabilities
+enter the smoothing detached. `"linear"` is z̃_m = z_m + W_s z_{m−1} (W_s zero at init), the form of
+checkpoints saved before this field existed: a saved config without the field loads as `"linear"`.
+
 Decoupled μP (§6.1), active when `mup_base_width` is set: s_token = hidden_size / base and s_concept =
 concept_hidden_size / base; hidden matrices of a stage start with variance σ²/s, logits are multiplied by
 1/s_token (`mup_output_scaling`), and `hf_concept.training.mup_param_groups` gives each group its learning
@@ -38,6 +48,7 @@ ROUTER_KINDS = ("cosine", "rule")
 CHUNKING_KINDS = ("dynamic", "fixed")
 BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
 RATIO_SCOPES = ("global", "sequence")
+SMOOTHING_KINDS = ("ema", "linear")
 
 
 class DLCMConfig(PlainDecoderConfig):
@@ -49,6 +60,8 @@ class DLCMConfig(PlainDecoderConfig):
         "lm_loss",
         "aux_loss",
         "compression_ratio",
+        "inference_compression_ratio",
+        "sampled_compression_ratio",
         "boundary_prob_mean",
         "hidden_states",
     ]
@@ -75,6 +88,7 @@ class DLCMConfig(PlainDecoderConfig):
     boundary_sigma: float = 0.1
     boundary_threshold: float = 0.5
     ratio_scope: str = "global"
+    smoothing: str = "ema"
     aux_loss_weight: float = 0.03
     mup_base_width: int | None = None
     mup_token_learning_rate: float = 1e-3
@@ -88,6 +102,13 @@ class DLCMConfig(PlainDecoderConfig):
         auto_map.update(kwargs.pop("auto_map", None) or {})
         kwargs["auto_map"] = auto_map
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        # A saved DLCM config written before `smoothing` existed used the W_s form: keep its meaning.
+        if config_dict.get("model_type") == cls.model_type and "smoothing" not in config_dict:
+            config_dict = {**config_dict, "smoothing": "linear"}
+        return super().from_dict(config_dict, **kwargs)
 
     def _fill_stage_defaults(self) -> None:
         split = (self.encoder_layers, self.concept_layers, self.decoder_layers)
@@ -154,6 +175,7 @@ class DLCMConfig(PlainDecoderConfig):
             "chunking": CHUNKING_KINDS,
             "boundary_noise": BOUNDARY_NOISE_KINDS,
             "ratio_scope": RATIO_SCOPES,
+            "smoothing": SMOOTHING_KINDS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)

@@ -8,19 +8,21 @@ cross-attention heads / key-value heads / head dim, V vocabulary.
 Pipeline, per call:
 1. embed; encoder `DecoderLayer`s at d_token (token K/V in the cache);
 2. boundaries from the cosine router (sampled in training) or the rule router (fixed threshold), or every
-   R-th token (`chunking="fixed"`); document starts always open a chunk. The decision is not
-   differentiated through (§3.3: segmentation is decoupled from the LM loss); the router learns from the
-   ratio loss alone;
+   R-th token (`chunking="fixed"`); document starts always open a chunk. The discrete decision itself is
+   not differentiated; with `smoothing="ema"` the LM loss reaches the learned router's probabilities
+   through the smoothing weights and the straight-through confidence (step 4), with `"linear"` the
+   router learns from the ratio loss alone. The rule router's probabilities are detached there (§8.1);
 3. mean pooling with the availability rule (a chunk becomes readable once it has closed,
    `chunking.emit_concepts`), W_up into d_concept, concept `DecoderLayer`s over the concept sequence
    (RoPE at the opening token's position, causal over concepts of a document, cached concept K/V), a
-   final concept norm, then smoothing z̃_m = z_m + W_s z_{m−1} within a document (W_s = 0 at init, so the
-   identity);
+   final concept norm, then smoothing within a document (`smoothing.py`): "ema" z̃_m = p_m z_m +
+   (1 − p_m) z̃_{m−1}, or "linear" z̃_m = z_m + W_s z_{m−1} (W_s = 0 at init, so the identity);
 4. decoder layers: token self-attention; cross-attention with Q = RMSNorm(W_Q h) and K, V =
    RMSNorm(W_K z̃), W_V z̃ per concept, with *concept replication* semantics (§4.1): position s carries
    the K/V of its latest readable concept (the learned null concept in a document's first chunk) and
    token t attends causally over s <= t of its document, so a concept weighs as many times as positions
-   carried it; then the MLP;
+   carried it; under "ema" its output is multiplied by the straight-through confidence of token t's
+   decision (value exactly 1); then the MLP;
 5. final norm, LM head (logits × 1/s_token under μP with `mup_output_scaling`).
 
 Two forms of step 4, equal by construction: without a cache (training) the K/V are replicated to token
@@ -66,6 +68,8 @@ from .replication import (
     replicated_concept_attention,
     replicated_concept_attention_varlen,
 )
+from .routing import straight_through
+from .smoothing import previous_concept_smoothing, probability_smoothing
 
 
 class SmoothingLinear(nn.Linear):
@@ -75,13 +79,16 @@ class SmoothingLinear(nn.Linear):
 @dataclass
 class ConceptReading:
     """How the tokens of one call read concepts: `index` (B, L) the slot each position carries (-1 for
-    pads; 0 the null concept), `mask` / `starts` (B, L), and for the counted form `counts` (B, L, N)."""
+    pads; 0 the null concept), `mask` / `starts` (B, L), for the counted form `counts` (B, L, N), and
+    the (B, L) straight-through confidence that multiplies each token's cross-attention output (None:
+    none; its value is exactly 1, only its gradient matters)."""
 
     index: torch.Tensor
     mask: torch.Tensor
     starts: torch.Tensor
     counts: torch.Tensor | None = None
     plain_causal: bool = False
+    confidence: torch.Tensor | None = None
 
 
 class ConceptCrossAttention(nn.Module):
@@ -148,8 +155,10 @@ class ConceptCrossAttention(nn.Module):
                 scale=self.scaling,
                 plain_causal=reading.plain_causal,
             )
-        attended = attended.transpose(1, 2).reshape(batch, length, -1)
-        return self.o_proj(attended)
+        attended = self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))  # (B, L, D)
+        if reading.confidence is not None:
+            attended = attended * reading.confidence.unsqueeze(-1).to(attended.dtype)
+        return attended
 
 
 class DLCMDecoderLayer(GradientCheckpointingLayer):
@@ -272,7 +281,9 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             DecoderLayer(concept_config, first_concept + index) for index in range(config.concept_layers)
         )
         self.concept_norm = RMSNorm(concept_width, eps=config.rms_norm_eps)
-        self.smoothing = SmoothingLinear(concept_width, concept_width, bias=False)
+        # Only the W_s form has parameters; "ema" reads the router's probabilities instead.
+        linear = config.smoothing == "linear"
+        self.smoothing = SmoothingLinear(concept_width, concept_width, bias=False) if linear else None
         first_decoder = first_concept + config.concept_layers
         self.decoder_layers = nn.ModuleList(
             DLCMDecoderLayer(config, first_decoder + index) for index in range(config.decoder_layers)
@@ -321,8 +332,9 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         state = self.state_of(cache, token_states)
         probs, opens, keys = self.boundaries(token_states, mask, starts, position_ids, state)
         documents = (state.document[:, None] + torch.cumsum(starts.long(), dim=1)).masked_fill(~mask, -1)
+        smoothing_probs = self.smoothing_probs(probs)
         emitted = emit_concepts(
-            token_states, probs, opens, mask, starts, position_ids, documents, "mean", state
+            token_states, smoothing_probs, opens, mask, starts, position_ids, documents, "mean", state
         )
         slots_before = cache.num_concept_slots if cache is not None else 0
         concepts, new_state = self.concept_model(emitted, state, cache)
@@ -331,6 +343,8 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             emitted, opens, mask, starts, slots_before, new_state, cache, at_last
         )
         new_state = self.remember_router(new_state, keys, documents, state, at_last)
+        if self.config.smoothing == "ema" and torch.is_grad_enabled():
+            reading.confidence = straight_through(smoothing_probs, opens)
         if cache is not None:
             cache.state = new_state
         for index, layer in enumerate(self.decoder_layers):
@@ -377,6 +391,11 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         concept_states = self.concept_norm(concept_states)
         return self.smooth(concept_states, emitted, state, new_state)
 
+    def smoothing_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """(B, L) the probabilities the smoothing and the confidence read: the rule router's detached, so
+        that the LM loss cannot steer its segmentation through them (§8.1)."""
+        return probs.detach() if self.config.router == "rule" else probs
+
     def smooth(
         self,
         concept_states: torch.Tensor,
@@ -384,22 +403,33 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         state: ConceptState,
         new_state: ConceptState,
     ) -> tuple[torch.Tensor, ConceptState]:
-        """z̃_m = z_m + W_s z_{m−1}, z_{m−1} the row's previous concept if it is of the same document."""
-        previous = torch.cat(
-            [state.last_concept[:, None].to(concept_states.dtype), concept_states[:, :-1]], dim=1
-        )
-        previous_documents = torch.cat(
-            [state.last_concept_document[:, None], emitted.documents[:, :-1]], dim=1
-        )
-        previous_valid = torch.cat([state.last_concept_document[:, None] >= 0, emitted.valid[:, :-1]], dim=1)
-        same_document = previous_valid & (previous_documents == emitted.documents)
-        smoothed = concept_states + self.smoothing(previous * same_document[..., None].to(previous.dtype))
+        """(B, C, Dc) smoothed new concepts (`smoothing.py`) continuing the row's cached concept, which is
+        z̃ of its latest concept under "ema" and z (before smoothing) under "linear"."""
+        if self.smoothing is None:
+            smoothed = probability_smoothing(
+                concept_states,
+                emitted.probs,
+                emitted.valid,
+                state.last_concept,
+                state.last_concept_document >= 0,
+            )
+            carried = smoothed
+        else:
+            smoothed = previous_concept_smoothing(
+                concept_states,
+                self.smoothing.weight,
+                emitted.documents,
+                emitted.valid,
+                state.last_concept,
+                state.last_concept_document,
+            )
+            carried = concept_states
         counts = emitted.valid.sum(dim=1)  # (B,)
         has_new = counts > 0
         rows = torch.arange(counts.shape[0], device=counts.device)
         last = (counts - 1).clamp_min(0)
         new_state.last_concept = torch.where(
-            has_new[:, None], concept_states[rows, last].to(state.last_concept.dtype), state.last_concept
+            has_new[:, None], carried[rows, last].to(state.last_concept.dtype), state.last_concept
         )
         new_state.last_concept_document = torch.where(
             has_new, emitted.documents[rows, last], state.last_concept_document

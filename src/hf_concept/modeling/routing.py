@@ -280,6 +280,33 @@ def boundary_decisions_from_noise(
     return (chosen | starts) & mask
 
 
+def expected_boundaries(
+    probs: torch.Tensor,
+    starts: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    noise: str = "bernoulli",
+    threshold: float = 0.5,
+    tau: float = 6.0,
+    sigma: float = 0.1,
+) -> torch.Tensor:
+    """(B, L) float: the probability that training's `boundary_decisions` opens a chunk at each token —
+    sharpen_probs(p, τ) for "bernoulli", P(p + σε ≥ threshold) = Φ((p − threshold) / σ) for "gaussian",
+    the thresholded decision for "none"; 1 at starts, 0 at pads. Its sum is the expected number of
+    sampled boundaries, so real tokens / that sum is the training-time compression without drawing
+    noise. A metric: no gradient.
+    """
+    _check_decision_args(noise, threshold, tau, sigma)
+    probs = probs.detach().float()
+    if noise == "bernoulli":
+        expected = sharpen_probs(probs, tau)
+    elif noise == "gaussian" and sigma > 0:
+        expected = 0.5 * torch.erfc((threshold - probs) / (sigma * 2**0.5))
+    else:
+        expected = (probs >= threshold).float()
+    return torch.where(starts, 1.0, expected).masked_fill(~mask, 0.0)
+
+
 def boundary_decisions(
     probs: torch.Tensor,
     starts: torch.Tensor,

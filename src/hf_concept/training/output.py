@@ -83,7 +83,23 @@ def _inference_compression(eval_metrics: dict[str, float], log_history: list[dic
     if "eval_compression_ratio" in eval_metrics:
         return eval_metrics["eval_compression_ratio"]
     inferred = _last_logged(log_history, "inference_compression_ratio")
-    return inferred if inferred is not None else _last_logged(log_history, "compression_ratio")
+    if inferred is not None:
+        return inferred
+    # LSLM logs the fraction of bytes its inference rule ends a segment at: bytes per segment is 1 / it.
+    rate = _last_logged(log_history, "inference_boundary_rate")
+    if rate is not None and rate > 0:
+        return 1.0 / rate
+    return _last_logged(log_history, "compression_ratio")
+
+
+def _sampled_compression(eval_metrics: dict[str, float], log_history: list[dict[str, Any]]) -> float | None:
+    """The rate training samples at, next to the headline: the evaluation's expected sampled ratio, else
+    the last ratio training logged (its boundaries were sampled); None for families without sampling."""
+    if "eval_sampled_compression_ratio" in eval_metrics:
+        return eval_metrics["eval_sampled_compression_ratio"]
+    if _last_logged(log_history, "inference_compression_ratio") is None:
+        return None
+    return _last_logged(log_history, "compression_ratio")
 
 
 def _compression_note(trainer: RecipeTrainer, model: PreTrainedModel, evaluated: bool) -> str:
@@ -187,6 +203,10 @@ def finish(
         "final_train_loss": result.train_loss,
     }
     evaluation = {key: float(value) for key, value in eval_metrics.items() if key == "eval_loss"}
+    sampled = _sampled_compression(eval_metrics, state.log_history)
+    if sampled is not None:
+        # The card shows both rates: the headline (inference) one and the one training samples at.
+        evaluation["training_sampled_compression"] = sampled
     if result.eval_loss is not None:
         evaluation["eval_perplexity"] = math.exp(min(result.eval_loss, 50.0))
     trainer.check_finite_weights(model)

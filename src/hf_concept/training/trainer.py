@@ -41,8 +41,10 @@ METRIC_FIELDS = (
     "aux_loss",
     "kl_loss",
     "compression_ratio",
-    # ConceptMoE/DLCM: the realised ratio with inference's (thresholded) boundaries on the same tokens.
+    # ConceptMoE/DLCM: the realised ratio with inference's (thresholded) boundaries on the same tokens,
+    # and the one expected under training's sampler (what evaluation reports as the training rate).
     "inference_compression_ratio",
+    "sampled_compression_ratio",
     "boundary_prob_mean",
     "boundary_rate",
     # LSLM: the rate training samples at (mean q) and the rate its inference rule gives on those bytes.
