@@ -352,3 +352,96 @@ def test_cli_without_a_match_exits_1(capsys):
                  "--concept-widths", "3072", "--flops-tolerance", "0"]  # fmt: skip
     assert main(["plan", *arguments]) == 1
     assert "no DLCM matched" in capsys.readouterr().err
+
+
+def _law_file(tmp_path, **overrides) -> str:
+    """A main-law file as `fit-scaling --save` writes it, with chosen parameters."""
+    from hf_concept.scaling import ScalingLawFit, save_fit
+
+    params = dict(E0=1.7, A_token=400.0, t_token=0.0, delta_1=0.3, A_concept=400.0, gamma=0.2,
+                  t_concept=0.0, delta_2=0.3, A_data=400.0, t_data=0.0, alpha=0.3)  # fmt: skip
+    params.update(overrides)
+    return str(save_fit(ScalingLawFit("main", params, r2=0.99, rows=30), tmp_path / "law.json"))
+
+
+def _printed_candidates(output: str) -> list[tuple[float, float]]:
+    """(R, predicted loss) of the #k rows, in printed order."""
+    shapes, costs = output.split("Costs per token")
+    ratios = {line.split()[0]: float(line.split()[1]) for line in shapes.splitlines() if line.startswith("#")}
+    losses = []
+    for line in costs.splitlines():
+        if line.startswith("#"):
+            losses.append((ratios[line.split()[0]], float(line.split()[-1])))
+    return losses
+
+
+@pytest.mark.parametrize(("gamma", "best_ratio"), [(1.0, 2.0), (-1.0, 8.0)])
+def test_plan_ranks_by_the_fitted_law(tmp_path, capsys, gamma, best_ratio):
+    law = _law_file(tmp_path, gamma=gamma)
+    rc = main(["plan", PAPER_BASELINE, "--law", law, "--train-tokens", "1e12", "--token-widths", "1536",
+               "--top", "4"])  # fmt: skip
+    output = capsys.readouterr().out
+    assert rc == 0
+    assert f"Ranked by the fitted law {law}" in output and "R = 2, 4, 8" in output
+    printed = _printed_candidates(output)
+    assert len(printed) == 4 and [loss for _, loss in printed] == sorted(loss for _, loss in printed)
+    # γ > 0 makes compression costly, γ < 0 rewards it: the law's best shape follows it.
+    assert printed[0][0] == best_ratio
+    # The best printed shape is the best of every FLOPs match at every R of the grid.
+    from hf_concept.commands.plan import predicted_loss
+    from hf_concept.scaling import load_fit
+
+    fitted = load_fit(law)
+    baseline = planning.load_spec(PAPER_BASELINE)
+    every = [
+        predicted_loss(fitted, candidate.spec, 1e12)
+        for ratio in (2.0, 4.0, 8.0)
+        for candidate in planning.search_dlcm(baseline, ratio, (0.3, 0.7), token_widths=[1536], top_k=10_000)
+    ]
+    assert printed[0][1] == pytest.approx(min(every), abs=1e-4)
+
+
+def test_plan_without_a_law_says_it_uses_the_paper_constants(capsys):
+    assert main(["plan", PAPER_BASELINE, "--token-widths", "1536", "--top", "2"]) == 0
+    output = capsys.readouterr().out
+    assert "No fitted law (--law)" in output and "The paper's choice (§6.3): R = 4 and P = 0.6." in output
+    assert "R = 4; target P 0.6" in output and "pred. loss" not in output
+    assert main(["plan", PAPER_BASELINE, "--ratio", "2", "--token-widths", "1536", "--top", "2"]) == 0
+    assert "The paper's choice (§6.3): P = 0.6." in capsys.readouterr().out
+
+
+def test_fit_scaling_saves_a_law_the_planner_reads(tmp_path, capsys):
+    from tests.test_scaling import MAIN_TRUTH, _main_runs, _write_csv
+
+    runs = tmp_path / "runs.csv"
+    _write_csv(runs, _main_runs(MAIN_TRUTH, 0.0))
+    law = tmp_path / "fit.json"
+    assert main(["fit-scaling", str(runs), "--save", str(law), "--restarts", "64"]) == 0
+    saved = json.loads(law.read_text())
+    assert saved["law"] == "main" and saved["source"] == str(runs)
+    assert not list(tmp_path.glob(".*tmp*"))
+    capsys.readouterr()
+    arguments = ["--law", str(law), "--train-tokens", "2e11", "--token-widths", "1536", "--top", "2"]
+    assert main(["plan", PAPER_BASELINE, *arguments]) == 0
+    assert f"Ranked by the fitted law {law}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "message"),
+    [
+        (None, ["--train-tokens", "1e12"], "does not exist"),
+        ("{not json", ["--train-tokens", "1e12"], "is not JSON"),
+        ('{"law": "decay", "params": {}}', ["--train-tokens", "1e12"], "law='decay'"),
+        ('{"law": "main", "params": {"E0": 1.0}}', ["--train-tokens", "1e12"], "parameter 'A_token'"),
+        ('{"law": "main", "params": {}}', [], "--law needs --train-tokens"),
+    ],
+)
+def test_plan_law_errors_name_the_file_and_field(tmp_path, capsys, content, extra, message):
+    law = tmp_path / "law.json"
+    if content is not None:
+        law.write_text(content)
+    assert main(["plan", PAPER_BASELINE, "--law", str(law), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert main(["plan", PAPER_BASELINE, "--train-tokens", "1e12"]) == 2
+    assert "only used with --law" in capsys.readouterr().err

@@ -37,6 +37,7 @@ parameters are in the CSV's units.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,55 @@ class ScalingLawFit:
         if self.law == "main":
             return float(main_law_loss(self.params, values["N"], values["D"], values["R"], values["P"]))
         return float(decay_law_delta(self.params, values["loss_stable"], values["R"], values["N"]))
+
+
+LAW_FILE_FORMAT = "hf_concept.scaling_law/1"
+
+
+def save_fit(fit: ScalingLawFit, path: str | Path, source: str | None = None) -> Path:
+    """Write `fit` as a JSON law file (what `hf-concept plan --law` reads), atomically: a temporary file
+    beside it, then renamed, so a reader never sees half a file."""
+    path = Path(path)
+    record = {"format": LAW_FILE_FORMAT, "law": fit.law, "params": fit.params, "r2": fit.r2, "rows": fit.rows}
+    record.update(extra=fit.extra, source=source)
+    staging = path.with_name(f".{path.name}.tmp")
+    try:
+        staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        staging.replace(path)
+    finally:
+        staging.unlink(missing_ok=True)
+    return path
+
+
+def load_fit(path: str | Path, law: str = "main") -> ScalingLawFit:
+    """A law file written by `save_fit` (`fit-scaling --save`) or printed by `fit-scaling --json`; raises
+    ValueError naming the file and what is wrong with it (missing, not JSON, another law, a parameter
+    missing or not a finite number)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"law file {str(path)!r} does not exist")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"law file {str(path)!r} is not JSON ({error})") from None
+    if not isinstance(record, dict) or record.get("law") != law:
+        found = record.get("law") if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"law file {str(path)!r} holds law={found!r}; the {law} law (eq. 22) is needed")
+    params = record.get("params")
+    names = MAIN_PARAMETERS if law == "main" else DECAY_PARAMETERS
+    for name in names:
+        value = params.get(name) if isinstance(params, dict) else None
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)):
+            raise ValueError(
+                f"law file {str(path)!r}: parameter {name!r} must be a finite number, got {value!r}"
+            )
+    return ScalingLawFit(
+        law=law,
+        params={name: float(params[name]) for name in names},
+        r2=float(record.get("r2", float("nan"))),
+        rows=int(record.get("rows", 0)),
+        extra=dict(record.get("extra") or {}),
+    )
 
 
 def _check_values(values: Mapping[str, float], where: str) -> None:

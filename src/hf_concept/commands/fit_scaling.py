@@ -63,15 +63,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--restarts", type=int, default=256, help="Random starts screened (main law).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random starts (main law).")
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of text.")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="Also write the fit to this JSON law file (what `hf-concept plan --law` reads).",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_concept.scaling import fit_scaling_csv
+    from hf_concept.scaling import fit_scaling_csv, save_fit
 
     options = {"restarts": args.restarts, "seed": args.seed} if args.law == "main" else {}
     try:
         fit = fit_scaling_csv(args.runs, law=args.law, window=args.decay_window, **options)
         predictions = [(config, fit.predict(**config)) for config in args.predict]
+        if args.save is not None:
+            save_fit(fit, args.save, source=str(args.runs))
     except (ValueError, OSError) as error:
         print(f"hf-concept fit-scaling: error: {error}", file=sys.stderr)
         return 2
