@@ -113,7 +113,10 @@ def test_config_from_scratch_logs_the_concept_metrics_and_saves_a_loadable_model
     logs = _metric_logs(run)
     assert len(logs) == 3
     for entry in logs:
-        assert {"lm_loss", "aux_loss", "compression_ratio"} <= set(entry), entry
+        # Both rates in the training log: the sampled one the step used, the one inference would realise.
+        assert {"lm_loss", "aux_loss", "compression_ratio", "inference_compression_ratio"} <= set(entry), (
+            entry
+        )
         # Shares of the accumulated micro-batches add up to the step's value: lm + λ·aux is the loss.
         assert entry["loss"] == pytest.approx(entry["lm_loss"] + 0.03 * entry["aux_loss"], abs=1e-4)
         assert 1.0 <= entry["compression_ratio"] <= 32
@@ -123,12 +126,16 @@ def test_config_from_scratch_logs_the_concept_metrics_and_saves_a_loadable_model
     ]
     eval_entry = next(entry for entry in run["logs"] if "eval_loss" in entry)
     assert "eval_compression_ratio" in eval_entry and "eval_aux_loss" not in eval_entry
+    assert {"eval_inference_compression_ratio", "eval_sampled_compression_ratio"} <= set(eval_entry)
     table = stdout.splitlines()
     assert any(line.startswith("eval loss") and f"{eval_entry['eval_loss']:.4f}" in line for line in table)
-    assert any(
-        line.startswith("compression") and f"{eval_entry['eval_compression_ratio']:.4f}" in line
-        for line in table
-    )
+    headline = f"{eval_entry['eval_compression_ratio']:.4f}"
+    sampled = f"{eval_entry['eval_sampled_compression_ratio']:.4f}"
+    assert any(line.startswith("compression at inference") and headline in line for line in table)
+    assert any(line.startswith("compression sampled in training") and sampled in line for line in table)
+    card = (out / "README.md").read_text()
+    assert f"| realised compression at inference (tokens per concept) | {float(headline):.4g} |" in card
+    assert f"| training_sampled_compression | {float(sampled):.4g} |" in card
     _assert_reloads_with_same_logits(out, run["model"])
     assert (out / "tokenizer.json").exists() and (out / "modeling_conceptmoe.py").exists()
     assert (out / "README.md").exists() and "trust_remote_code=True" in (out / "README.md").read_text()

@@ -39,6 +39,8 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)
     # Why `compression` is None, for the table: a short run that never logged, or a family without concepts.
     compression_note: str | None = None
+    # The rate training samples boundaries at (ConceptMoE/DLCM's learned router), beside the headline.
+    sampled_compression: float | None = None
 
     def summary_table(self) -> str:
         """The end-of-run table: final training loss, eval loss, realised compression, steps, output."""
@@ -49,7 +51,8 @@ class TrainResult:
         rows = [
             ("final train loss", figure(self.train_loss)),
             ("eval loss", figure(self.eval_loss)),
-            ("compression (tokens per concept)", self._compression_figure()),
+            ("compression at inference (tokens per concept)", self._compression_figure()),
+            ("compression sampled in training", figure(self.sampled_compression)),
             ("optimizer steps", str(self.global_step)),
             ("saved to", str(self.output_dir)),
         ]
@@ -203,7 +206,7 @@ def finish(
         "final_train_loss": result.train_loss,
     }
     evaluation = {key: float(value) for key, value in eval_metrics.items() if key == "eval_loss"}
-    sampled = _sampled_compression(eval_metrics, state.log_history)
+    sampled = result.sampled_compression = _sampled_compression(eval_metrics, state.log_history)
     if sampled is not None:
         # The card shows both rates: the headline (inference) one and the one training samples at.
         evaluation["training_sampled_compression"] = sampled
