@@ -2,37 +2,41 @@
 
 Legend: B batch, L tokens, R tokens per concept, M = ceil(L / R) concept slots, H heads, K head dim.
 
-Part 1, cross-attention (DLCM §4.1). Fixed chunking: token t carries slot t // R (slot 0 is the learned
-null concept of the first chunk, slot j the concept of chunk j - 1, readable once that chunk closed), so
-token t reads slots 0..t // R, slot n weighted by how many positions s <= t carried it. Four forms of
-that one function, all starting from (B, H, L, K) queries, (B, H, M, K) concept keys/values and the
-(B, L) slot index:
+Part 1, cross-attention (DLCM §4.1), for each R of `--attention-ratios` (2, 4, 8) and each L. Fixed
+chunking: token t carries slot t // R (slot 0 is the learned null concept of the first chunk, slot j the
+concept of chunk j - 1, readable once that chunk closed), so token t reads slots 0..t // R, slot n
+weighted by how many positions s <= t carried it. Five forms of that one function, all starting from
+(B, H, L, K) queries, (B, H, M, K) concept keys/values and the (B, L) slot index:
 - replicated: `replication.replicated_concept_attention(..., plain_causal=True)`: gather the concept
   K/V to token positions (repeat_interleave semantics) and run SDPA's causal kernel (L x L, no mask);
+- counted: the library's L x M form as a fresh model call runs it (`cross_attention_form="counted"`):
+  log(count) bias from each slot's run of positions (`run_count_bias`), SDPA with it as float mask;
 - L x M eager: a direct implementation of the paper's L x M formulation: build the (L, M) availability
   mask and log(count) bias from the index (each slot's run of positions), scores q k^T over the M
   concepts plus that bias, softmax, times V;
 - L x M sdpa: the same (L, M) bias built the same way, handed to SDPA as a float mask (the closest CPU
   analogue of the paper's flex-attention baseline: a fused kernel reading a materialised mask);
 - L x M sdpa prebuilt: that kernel alone, the bias built once beforehand.
-The first two build the bias inside the call (the mapping of tokens to concepts changes every batch); the
-cost of building it alone is printed too. Before timing, all forms (and the library's decoding form,
-`concept_attention_counted`) are checked equal: outputs within 1e-5, gradients within 1e-4. Ratios are
-L x M time / replicated time, forward and forward+backward, medians over interleaved rounds. The
-project's target: >= 1.3x at L = 4096 (the paper's Table 6: 1.26-1.73x for its GPU kernels against flex
-attention).
+All but the last build the bias inside the call (the mapping of tokens to concepts changes every batch).
+Before timing, all forms (and the library's decoding form, `concept_attention_counted` over cumulative
+counts) are checked equal: outputs within 1e-5, gradients within 1e-4. Ratios are L x M time /
+replicated time, forward and forward+backward, medians over interleaved rounds; per R, the faster of
+the library's two training forms at each L is printed (the crossover `replication.preferred_form`
+encodes for "auto"). The project's target: >= 1.3x at L = 4096, R = 4 (the paper's Table 6:
+1.26-1.73x for its GPU kernels against flex attention).
 
 Part 2, whole model. A seeded random DLCM (`chunking="fixed"`, so exactly R tokens per concept) against a
 Llama-style `PlainDecoderForCausalLM` whose MLP width is solved so that the non-embedding parameter
 counts match (both printed). Per length: prefill (empty cache, `use_cache=True`, last logits only, as
-generate; DLCM then reads concepts in the counted L x M form) and a cache-less forward (DLCM's
-replicated form), no grad; the DLCM's two agree on the last logits (checked); KV bytes per token after
-prefill: `ConceptCache.num_bytes()` against the plain `DynamicCache`'s key/value bytes, with the ideal
-ratio from the layer shapes.
+generate) and a cache-less forward, no grad, the DLCM in its default cross-attention form ("auto");
+the DLCM's two agree on the last logits (checked); KV bytes per token after prefill:
+`ConceptCache.num_bytes()` against the plain `DynamicCache`'s key/value bytes, with the ideal ratio from
+the layer shapes.
 
-    python benchmarks/bench_dlcm.py [--seq-lens 1024,2048,4096,8192] [--ratio 4] [--heads 8]
-        [--head-dim 64] [--model-seq-lens 2048,4096] [--hidden 256] [--concept-hidden 512]
-        [--plain-hidden 512] [--repeats 5] [--threads N] [--skip-attention] [--skip-model] [--quick]
+    python benchmarks/bench_dlcm.py [--seq-lens 1024,2048,4096,8192] [--attention-ratios 2,4,8]
+        [--ratio 4] [--heads 8] [--head-dim 64] [--model-seq-lens 2048,4096] [--hidden 256]
+        [--concept-hidden 512] [--plain-hidden 512] [--repeats 5] [--threads N] [--skip-attention]
+        [--skip-model] [--quick]
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
-from hf_concept.modeling.replication import concept_attention_counted, replicated_concept_attention
+from hf_concept.modeling.replication import (
+    concept_attention_biased,
+    concept_attention_counted,
+    replicated_concept_attention,
+    run_count_bias,
+)
 
 TARGET_LENGTH = 4096
 TARGET_RATIO = 1.3
@@ -60,6 +69,7 @@ GRADIENT_TOLERANCE = 1e-4
 LOGITS_TOLERANCE = 1e-4
 QUICK = dict(
     seq_lens="64,128",
+    attention_ratios="2,4",
     model_seq_lens="64,128",
     heads=2,
     head_dim=16,
@@ -88,7 +98,12 @@ def lengths(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=lengths, default="1024,2048,4096,8192", help="cross-attention L")
-    parser.add_argument("--ratio", type=int, default=4, help="tokens per concept R (fixed chunking)")
+    parser.add_argument(
+        "--ratio", type=int, default=4, help="whole-model tokens per concept R (fixed chunking)"
+    )
+    parser.add_argument(
+        "--attention-ratios", type=lengths, default="2,4,8", help="cross-attention tokens per concept R"
+    )
     parser.add_argument("--batch", type=int, default=1, help="rows B")
     parser.add_argument("--heads", type=int, default=8, help="cross-attention heads H")
     parser.add_argument("--head-dim", type=int, default=64, help="cross-attention head dim K")
@@ -198,7 +213,22 @@ def replicated(query, concept_k, concept_v, index, scale: float) -> torch.Tensor
     )
 
 
-LXM_FORMS = {"lxm_eager": "LxM eager", "lxm_sdpa": "LxM sdpa", "lxm_prebuilt": "LxM sdpa prebuilt"}
+def counted(query, concept_k, concept_v, index, scale: float) -> torch.Tensor:
+    """(B, H, L, K): the library's L x M form as the model runs it in a fresh call: counts from each slot's
+    run of positions (`run_count_bias`), then SDPA with it as float mask (`concept_attention_biased`)."""
+    mask = torch.ones_like(index, dtype=torch.bool)
+    starts = torch.zeros_like(mask)
+    starts[:, 0] = True
+    bias, sees = run_count_bias(index, mask, starts, concept_k.shape[2])
+    return concept_attention_biased(query, concept_k, concept_v, bias, sees, scale=scale)
+
+
+LXM_FORMS = {
+    "counted": "LxM counted (library)",
+    "lxm_eager": "LxM eager",
+    "lxm_sdpa": "LxM sdpa",
+    "lxm_prebuilt": "LxM sdpa prebuilt",
+}
 
 
 def attention_forms(index: torch.Tensor, num_slots: int) -> dict[str, Callable[..., torch.Tensor]]:
@@ -209,19 +239,25 @@ def attention_forms(index: torch.Tensor, num_slots: int) -> dict[str, Callable[.
     def lxm_prebuilt(query, concept_k, concept_v, index, scale: float) -> torch.Tensor:
         return F.scaled_dot_product_attention(query, concept_k, concept_v, attn_mask=bias, scale=scale)
 
-    return dict(replicated=replicated, lxm_eager=lxm_eager, lxm_sdpa=lxm_sdpa, lxm_prebuilt=lxm_prebuilt)
+    return dict(
+        replicated=replicated,
+        counted=counted,
+        lxm_eager=lxm_eager,
+        lxm_sdpa=lxm_sdpa,
+        lxm_prebuilt=lxm_prebuilt,
+    )
 
 
-def attention_inputs(args: argparse.Namespace, length: int) -> tuple[torch.Tensor, ...]:
+def attention_inputs(args: argparse.Namespace, length: int, ratio: int) -> tuple[torch.Tensor, ...]:
     """Queries (B, H, L, K), concept keys/values (B, H, M, K), upstream gradient (B, H, L, K), index."""
     generator = torch.Generator().manual_seed(args.seed + length)
-    num_slots = -(-length // args.ratio)
+    num_slots = -(-length // ratio)
     shape = (args.batch, args.heads)
     query = torch.randn(*shape, length, args.head_dim, generator=generator)
     concept_k = torch.randn(*shape, num_slots, args.head_dim, generator=generator)
     concept_v = torch.randn(*shape, num_slots, args.head_dim, generator=generator)
     upstream = torch.randn(*shape, length, args.head_dim, generator=generator)
-    return query, concept_k, concept_v, upstream, fixed_index(args.batch, length, args.ratio)
+    return query, concept_k, concept_v, upstream, fixed_index(args.batch, length, ratio)
 
 
 def forward_backward(form, query, concept_k, concept_v, upstream, index, scale: float):
@@ -249,8 +285,8 @@ def check_forms(inputs: tuple[torch.Tensor, ...], forms: dict, scale: float) -> 
     return worst
 
 
-def attention_row(args: argparse.Namespace, length: int) -> dict[str, float]:
-    inputs = attention_inputs(args, length)
+def attention_row(args: argparse.Namespace, length: int, ratio: int) -> dict[str, float]:
+    inputs = attention_inputs(args, length, ratio)
     query, concept_k, concept_v, _, index = inputs
     scale = args.head_dim**-0.5
     forms = attention_forms(index, concept_k.shape[2])
@@ -269,7 +305,9 @@ def attention_row(args: argparse.Namespace, length: int) -> dict[str, float]:
         args.repeats,
     )
     build = interleaved({"bias": lambda: count_bias(index, concept_k.shape[2])}, args.repeats)["bias"]
-    row = dict(length=length, slots=concept_k.shape[2], difference=difference, bias_ms=build * 1e3)
+    row = dict(
+        length=length, ratio=ratio, slots=concept_k.shape[2], difference=difference, bias_ms=build * 1e3
+    )
     for mode, medians in (("fwd", forward), ("fwdbwd", both)):
         for name, seconds in medians.items():
             row[f"{mode}_{name}_ms"] = seconds * 1e3
@@ -280,24 +318,26 @@ def attention_row(args: argparse.Namespace, length: int) -> dict[str, float]:
 
 def print_attention(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
     print(
-        f"\n[cross-attention, B={args.batch} H={args.heads} K={args.head_dim} R={args.ratio}; "
-        f"x = L x M time / replicated time; medians of {args.repeats} rounds; ms per call]"
+        f"\n[cross-attention, B={args.batch} H={args.heads} K={args.head_dim}; x = L x M time / replicated "
+        f"time (below 1: the L x M form is faster); medians of {args.repeats} rounds; ms per call]"
     )
     names = ["replicated", *LXM_FORMS]
-    columns = ["replicated", "eager", "sdpa", "prebuilt", "eager x", "sdpa x", "prebuilt x", "bias ms"]
-    print(f"{'L':>6} {'M':>5} {'mode':>8} " + " ".join(f"{column:>10}" for column in columns))
+    columns = ["replicated", "counted", "eager", "sdpa", "prebuilt", "counted x", "eager x", "sdpa x"]
+    print(f"{'L':>6} {'R':>3} {'M':>5} {'mode':>8} " + " ".join(f"{column:>10}" for column in columns))
     for row in rows:
         for mode, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
             figures = [row[f"{mode}_{name}_ms"] for name in names]
-            figures += [row[f"{mode}_{name}_x"] for name in LXM_FORMS] + [row["bias_ms"]]
+            figures += [row[f"{mode}_{name}_x"] for name in ("counted", "lxm_eager", "lxm_sdpa")]
             cells = " ".join(f"{figure:>10.2f}" for figure in figures)
-            print(f"{row['length']:>6} {row['slots']:>5} {label:>8} {cells}")
+            print(f"{row['length']:>6} {row['ratio']:>3} {row['slots']:>5} {label:>8} {cells}")
     print(
-        "columns: eager / sdpa build the (L, M) bias in the call; prebuilt = sdpa with the bias built once "
-        "beforehand; bias ms = building it alone"
+        "columns: counted = the library's L x M form as the model runs it (counts from the index, SDPA with "
+        "log(count) as float mask); eager / sdpa build the (L, M) bias from each slot's run of positions in "
+        "the call; prebuilt = sdpa with that bias built once beforehand"
     )
-    at_target = {row["length"]: row for row in rows}.get(TARGET_LENGTH)
-    print(f"target (L x M time / replicated time >= {TARGET_RATIO}x at L={TARGET_LENGTH}):")
+    print_crossover(rows)
+    at_target = {(row["length"], row["ratio"]): row for row in rows}.get((TARGET_LENGTH, 4))
+    print(f"target (L x M time / replicated time >= {TARGET_RATIO}x at L={TARGET_LENGTH}, R=4):")
     for mode, label in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
         parts = []
         for name, title in LXM_FORMS.items():
@@ -306,15 +346,29 @@ def print_attention(rows: list[dict[str, float]], args: argparse.Namespace) -> N
         print(f"  {label}: " + "; ".join(parts))
 
 
+def print_crossover(rows: list[dict[str, float]]) -> None:
+    """Per R, which of the library's two training forms is faster at each L (forward+backward)."""
+    print("faster training form (forward+backward), library counted vs replicated, per R:")
+    for ratio in sorted({row["ratio"] for row in rows}):
+        cells = [
+            f"L={row['length']}: {'counted' if row['fwdbwd_counted_x'] < 1 else 'replicated'} "
+            f"({row['fwdbwd_counted_x']:.2f}x)"
+            for row in rows
+            if row["ratio"] == ratio
+        ]
+        print(f"  R={ratio}: " + "; ".join(cells))
+
+
 def run_attention(args: argparse.Namespace) -> list[dict[str, float]]:
     rows = []
-    for length in args.seq_lens:
-        rows.append(attention_row(args, length))
-        print(
-            f"  L={length}: forms agree (outputs within {OUTPUT_TOLERANCE:g}, gradients within "
-            f"{GRADIENT_TOLERANCE:g}; max |diff| {rows[-1]['difference']:.2e}); timed",
-            flush=True,
-        )
+    for ratio in args.attention_ratios:
+        for length in args.seq_lens:
+            rows.append(attention_row(args, length, ratio))
+            print(
+                f"  L={length} R={ratio}: forms agree (outputs within {OUTPUT_TOLERANCE:g}, gradients within "
+                f"{GRADIENT_TOLERANCE:g}; max |diff| {rows[-1]['difference']:.2e}); timed",
+                flush=True,
+            )
     print_attention(rows, args)
     return rows
 

@@ -312,7 +312,7 @@ def print_heldout_table(runs: list[dict]) -> None:
         print(
             f"{name:<18}"
             + "".join(f"{cell(lengths[kind]):>14}" for kind in CONTENT_TYPES)
-            + f"{cell(spread):>10}"
+            + f"{cell(spread):>14}"
         )
 
 
@@ -366,6 +366,8 @@ def draw(runs: list[dict], path: str) -> bool:
         axis.axhline(
             TARGET_RATIO, color="grey", linestyle="--", linewidth=1, label=f"target R = {TARGET_RATIO:g}"
         )
+        # Log scale: the first hundred steps reach ~100 tokens per concept, the rest sits near R.
+        axis.set_yscale("log", base=2)
         axis.set_title(f"{key.replace('_', ' ')} (tokens per concept)")
         axis.set_xlabel("optimizer step")
     axes[0].legend()

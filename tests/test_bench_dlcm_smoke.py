@@ -46,18 +46,23 @@ def test_quick_run_prints_both_tables_after_the_equality_checks():
     assert result.returncode == 0, result.stderr[-2000:]
     printed = result.stdout
     for length in (64, 128):
-        assert f"L={length}: forms agree (outputs within 1e-05, gradients within 0.0001;" in printed
+        for ratio in (2, 4):
+            assert (
+                f"L={length} R={ratio}: forms agree (outputs within 1e-05, gradients within 0.0001;"
+                in printed
+            )
         assert f"L={length}: DLCM cached prefill and cache-less forward agree on the last logits" in printed
     attention = table_rows(printed, "[cross-attention")
-    # Two lengths, a forward and a forward+backward row each; every time and ratio positive.
-    assert [(row[0], row[2]) for row in attention] == [
-        ("64", "fwd"),
-        ("64", "fwd+bwd"),
-        ("128", "fwd"),
-        ("128", "fwd+bwd"),
+    # Two ratios x two lengths, a forward and a forward+backward row each; every time and ratio positive.
+    assert [(row[0], row[1], row[3]) for row in attention] == [
+        (length, ratio, mode)
+        for ratio in ("2", "4")
+        for length in ("64", "128")
+        for mode in ("fwd", "fwd+bwd")
     ]
-    assert all(len(row) == 11 and all(float(cell) > 0 for cell in row[3:]) for row in attention)
-    assert "target (L x M time / replicated time >= 1.3x at L=4096):" in printed
+    assert all(len(row) == 12 and all(float(cell) > 0 for cell in row[4:]) for row in attention)
+    assert "target (L x M time / replicated time >= 1.3x at L=4096, R=4):" in printed
+    assert "faster training form (forward+backward), library counted vs replicated, per R:" in printed
     assert "non-embedding parameters: DLCM" in printed
     model = table_rows(printed, "[whole model")
     assert [row[0] for row in model] == ["64", "128"]
@@ -81,7 +86,7 @@ def test_count_bias_matches_counted_positions_for_uneven_chunks():
 def test_equality_check_rejects_an_lxm_form_without_the_count_weights():
     bench = load_script()
     args = bench.parse_args(["--quick"])
-    inputs = bench.attention_inputs(args, 32)
+    inputs = bench.attention_inputs(args, 32, 4)
     scale = args.head_dim**-0.5
     forms = bench.attention_forms(inputs[4], inputs[1].shape[2])
     bench.check_forms(inputs, forms, scale)

@@ -61,23 +61,28 @@ def test_replicated_and_counted_cross_attention_agree(router, attn):
     """Without a cache the K/V are replicated to positions (SDPA); with one (and the counted form forced),
     each concept is stored once with its count (+ log count). Left-padded and packed: equal within 1e-5."""
     model = dlcm(attn=attn, router=router, rule_threshold=0.3)
-    # A fresh prefill would take the replicated form too; force the counted one wherever there is a cache.
-    model.model.cross_attention_form = "counted"
     input_ids = ids(2, 12)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :4] = 0
     real = attention_mask.bool()
-    replicated = logits(model, input_ids, False, attention_mask=attention_mask)
-    counted = logits(model, input_ids, True, attention_mask=attention_mask)
-    assert_close(counted[real], replicated[real], atol=1e-5, rtol=1e-5)
+    results = {}
+    for form in ("replicated", "counted"):
+        model.config.cross_attention_form = form
+        for use_cache in (False, True):
+            results[form, use_cache] = logits(model, input_ids, use_cache, attention_mask=attention_mask)
+    reference = results["replicated", False]
+    for key, value in results.items():
+        assert_close(value[real], reference[real], atol=1e-5, rtol=1e-5, msg=str(key))
     # Packed documents: both forms equal the documents run apart.
     packed_positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
-    apart = torch.cat(
-        [logits(model, input_ids[:1, :5], False), logits(model, input_ids[:1, 5:], False)], dim=1
-    )
-    for use_cache in (False, True):
-        packed = logits(model, input_ids[:1], use_cache, position_ids=packed_positions)
-        assert_close(packed, apart, atol=1e-5, rtol=1e-5)
+    for form in ("replicated", "counted"):
+        model.config.cross_attention_form = form
+        apart = torch.cat(
+            [logits(model, input_ids[:1, :5], False), logits(model, input_ids[:1, 5:], False)], dim=1
+        )
+        for use_cache in (False, True):
+            packed = logits(model, input_ids[:1], use_cache, position_ids=packed_positions)
+            assert_close(packed, apart, atol=1e-5, rtol=1e-5)
 
 
 def test_first_chunk_reads_the_null_concept_and_later_tokens_read_closed_chunks():
@@ -213,7 +218,8 @@ def test_gpu_varlen_wiring_gives_the_same_logits_with_a_stand_in_kernel(monkeypa
     from hf_concept.modeling import modeling_dlcm
     from hf_concept.modeling.replication import sdpa_varlen
 
-    model = dlcm()
+    # The replicated form is what the varlen kernel runs (on GPU "auto" picks it).
+    model = dlcm(cross_attention_form="replicated")
     input_ids = ids(2, 12)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :4] = 0
@@ -234,9 +240,9 @@ def test_gpu_varlen_wiring_gives_the_same_logits_with_a_stand_in_kernel(monkeypa
 
 
 def test_a_fresh_cached_prefill_reads_by_replication_and_decodes_by_counts():
-    """The default: a prefill into an empty cache uses the replicated form and stores each row's counts at
-    its last token without a (B, L, N) table; continuing calls use the counted form. Same logits."""
-    model = dlcm()
+    """A prefill into an empty cache in the replicated form stores each row's counts at its last token
+    without a (B, L, N) table; continuing calls use the counted form. Same logits."""
+    model = dlcm(cross_attention_form="replicated")
     input_ids = ids(2, 14)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :3] = 0

@@ -8,8 +8,11 @@ from hf_concept.modeling.pooling import readable_concept_index
 from hf_concept.modeling.replication import (
     concept_attention_counted,
     concept_counts,
+    log_count_bias,
+    preferred_form,
     replicate_concept_kv,
     replicated_concept_attention,
+    run_count_bias,
     update_concept_counts,
 )
 from hf_concept.reference.replication import concept_attention_loop
@@ -205,3 +208,34 @@ def test_varlen_form_equals_the_reference_on_padded_packed_rows():
     no_null = make_case(ROWS, null_concept=False)
     with pytest.raises(ValueError, match="carry a concept"):
         replicated_concept_attention_varlen(*no_null, varlen_kernel=sdpa_varlen)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_run_bias_equals_the_log_of_the_cumulative_counts(seed):
+    """The fresh-call bias built from each slot's run equals log(count) of the cumulative one-hot counts
+    exactly (null concept repeated per document, left pads, packed rows), and so does what it sees."""
+    for rows, null_concept in (([*ROWS, (2, [1, 1, 4])], True), (ROWS, False), ([(0, [9]), (3, [6])], True)):
+        _, _, _, index, mask, starts = make_case(rows, seed=seed, null_concept=null_concept)
+        num_slots = int(index.max()) + 1
+        bias, sees = run_count_bias(index, mask, starts, num_slots)
+        expected_bias, expected_sees = log_count_bias(concept_counts(index, mask, starts, num_slots))
+        assert torch.equal(sees, expected_sees)
+        assert torch.equal(bias, expected_bias)
+
+
+def test_the_automatic_form_follows_the_measured_crossover():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert preferred_form(cuda, 8192, 2049, training=True) == "replicated"
+    # R = 4 and 8: counted at every measured length; R = 2: counted for training up to 4k, inference to 1k.
+    for length in (1024, 2048, 4096, 8192):
+        for ratio in (4, 8):
+            for training in (True, False):
+                assert preferred_form(cpu, length, length // ratio + 1, training) == "counted"
+    chosen = {(length, training): preferred_form(cpu, length, length // 2 + 1, training)
+              for length in (1024, 2048, 4096, 8192) for training in (True, False)}  # fmt: skip
+    assert [form for (_, training), form in sorted(chosen.items()) if training] == ["counted"] * 3 + [
+        "replicated"
+    ]
+    assert [form for (_, training), form in sorted(chosen.items()) if not training] == ["counted"] + [
+        "replicated"
+    ] * 3

@@ -21,6 +21,12 @@ the LM needs. §3.3 and §8.1 warn that this gradient can pull a learned router 
 enter the smoothing detached. `"linear"` is z̃_m = z_m + W_s z_{m−1} (W_s zero at init), the form of
 checkpoints saved before this field existed: a saved config without the field loads as `"linear"`.
 
+Cross-attention form of a call with nothing cached before it (training, a first prefill): `"replicated"`
+(concept K/V gathered to token positions, causal attention over L keys: flash-attn's varlen kernel on GPU,
+§4.1), `"counted"` (one K/V per concept with + log(count) scores, over N slots: the L × M form) or
+`"auto"` (default: the form measured faster on the device at that size, `replication.preferred_form`).
+The two are equal up to rounding; a call that continues a cache always uses the counted form.
+
 Decoupled μP (§6.1), active when `mup_base_width` is set: s_token = hidden_size / base and s_concept =
 concept_hidden_size / base; hidden matrices of a stage start with variance σ²/s, logits are multiplied by
 1/s_token (`mup_output_scaling`), and `hf_concept.training.mup_param_groups` gives each group its learning
@@ -49,6 +55,7 @@ CHUNKING_KINDS = ("dynamic", "fixed")
 BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
 RATIO_SCOPES = ("global", "sequence")
 SMOOTHING_KINDS = ("ema", "linear")
+CROSS_ATTENTION_FORMS = ("auto", "replicated", "counted")
 
 
 class DLCMConfig(PlainDecoderConfig):
@@ -89,6 +96,7 @@ class DLCMConfig(PlainDecoderConfig):
     boundary_threshold: float = 0.5
     ratio_scope: str = "global"
     smoothing: str = "ema"
+    cross_attention_form: str = "auto"
     aux_loss_weight: float = 0.03
     mup_base_width: int | None = None
     mup_token_learning_rate: float = 1e-3
@@ -176,6 +184,7 @@ class DLCMConfig(PlainDecoderConfig):
             "boundary_noise": BOUNDARY_NOISE_KINDS,
             "ratio_scope": RATIO_SCOPES,
             "smoothing": SMOOTHING_KINDS,
+            "cross_attention_form": CROSS_ATTENTION_FORMS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)

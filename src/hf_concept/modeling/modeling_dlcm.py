@@ -28,7 +28,8 @@ Pipeline, per call:
 Two forms of step 4, equal by construction: without a cache (training) the K/V are replicated to token
 positions and SDPA runs causally (`replication.replicated_concept_attention`); with a `ConceptCache` one
 K/V per concept is stored with how many positions carried it, and the scores get + log(count)
-(`replication.concept_attention_counted`) — M entries instead of L.
+(`replication.concept_attention_counted`) — M entries instead of L. A call with nothing cached before
+it takes `config.cross_attention_form` ("auto": the form measured faster on the device).
 
 Causality: a token at position t reads only real tokens <= t of its own document; the concept of its
 own open chunk is never readable (its mean would include later tokens).
@@ -62,11 +63,14 @@ from .layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding, resi
 from .modeling_plain import init_backbone_weights
 from .packing import last_real_picker
 from .replication import (
-    concept_attention_counted,
+    concept_attention_biased,
     concept_counts,
     flash_varlen_kernel,
+    log_count_bias,
+    preferred_form,
     replicated_concept_attention,
     replicated_concept_attention_varlen,
+    run_count_bias,
 )
 from .routing import straight_through
 from .smoothing import previous_concept_smoothing, probability_smoothing
@@ -79,14 +83,16 @@ class SmoothingLinear(nn.Linear):
 @dataclass
 class ConceptReading:
     """How the tokens of one call read concepts: `index` (B, L) the slot each position carries (-1 for
-    pads; 0 the null concept), `mask` / `starts` (B, L), for the counted form `counts` (B, L, N), and
+    pads; 0 the null concept), `mask` / `starts` (B, L), for the counted form the (B, L, N) log(count)
+    `slot_bias` and the (B, L) `sees` (`replication.log_count_bias`, built once for every layer), and
     the (B, L) straight-through confidence that multiplies each token's cross-attention output (None:
     none; its value is exactly 1, only its gradient matters)."""
 
     index: torch.Tensor
     mask: torch.Tensor
     starts: torch.Tensor
-    counts: torch.Tensor | None = None
+    slot_bias: torch.Tensor | None = None
+    sees: torch.Tensor | None = None
     plain_causal: bool = False
     confidence: torch.Tensor | None = None
 
@@ -127,10 +133,10 @@ class ConceptCrossAttention(nn.Module):
         batch, length, _ = token_states.shape
         query = self.q_proj(token_states).view(batch, length, self.num_heads, self.head_dim)
         query = self.q_norm(query).transpose(1, 2)  # (B, Hx, L, Kx)
-        varlen_kernel = flash_varlen_kernel(query) if reading.counts is None else None
-        if reading.counts is not None:
-            attended = concept_attention_counted(
-                query, concept_keys, concept_values, reading.counts, scale=self.scaling
+        varlen_kernel = flash_varlen_kernel(query) if reading.slot_bias is None else None
+        if reading.slot_bias is not None:
+            attended = concept_attention_biased(
+                query, concept_keys, concept_values, reading.slot_bias, reading.sees, scale=self.scaling
             )
         elif varlen_kernel is not None:
             # GPU training path (DLCM §4.1): replicated K/V on flash-attn's varlen causal kernel.
@@ -251,9 +257,6 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
     """(B, L) ids -> (B, L, D) final-normed token states through encoder, concepts and decoder."""
 
     family_name = "DLCM"
-    # "auto": the replicated form unless earlier tokens are cached (then counted); "counted" forces the
-    # counted form wherever there is a cache (tests and benchmarks compare the two this way).
-    cross_attention_form = "auto"
 
     def __init__(self, config: DLCMConfig) -> None:
         super().__init__(config)
@@ -457,19 +460,39 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         carried = torch.where(continues, state.read_slot[:, None], 0)
         index = torch.where(emitted.token_index >= 0, 1 + slots_before + emitted.token_index, carried)
         index = index.masked_fill(~mask, -1)  # (B, L)
-        fresh = slots_before == 0 and not bool((state.read_slot >= 0).any())
-        if cache is None or (fresh and self.cross_attention_form == "auto"):
+        fresh = cache is None or (slots_before == 0 and not bool((state.read_slot >= 0).any()))
+        num_slots = 1 + (cache.num_concept_slots if cache is not None else emitted.states.shape[1])
+        form = "counted" if not fresh else self.fresh_cross_attention_form(mask, num_slots, emitted.states)
+        # The log(count) bias in at least float32: a half-precision log would round long runs' weights.
+        bias_dtype = torch.promote_types(emitted.states.dtype, torch.float32)
+        if form == "replicated":
             plain_causal = bool(mask.all()) and not bool(starts[:, 1:].any())
             reading = ConceptReading(index, mask, starts, plain_causal=plain_causal)
             if cache is not None:
-                state = self._remember_reads(state, index, mask, starts, 1 + cache.num_concept_slots, at_last)
+                state = self._remember_reads(state, index, mask, starts, num_slots, at_last)
             return reading, state
-        num_slots = 1 + cache.num_concept_slots
+        if fresh:
+            # Built from each slot's run; a cache keeps only each row's counts at its last token.
+            bias, sees = run_count_bias(index, mask, starts, num_slots, bias_dtype)  # (B, L, N), (B, L)
+            if cache is not None:
+                state = self._remember_reads(state, index, mask, starts, num_slots, at_last)
+            return ConceptReading(index, mask, starts, slot_bias=bias, sees=sees), state
         initial = nn.functional.pad(state.read_counts, (0, num_slots - state.read_counts.shape[1]))
         counts = concept_counts(index, mask, starts, num_slots, initial_counts=initial)  # (B, L, N)
         state.read_slot = at_last(index, state.read_slot)
         state.read_counts = at_last(counts, initial)
-        return ConceptReading(index, mask, starts, counts=counts), state
+        bias, sees = log_count_bias(counts, bias_dtype)
+        return ConceptReading(index, mask, starts, slot_bias=bias, sees=sees), state
+
+    def fresh_cross_attention_form(
+        self, mask: torch.Tensor, num_slots: int, concept_states: torch.Tensor
+    ) -> str:
+        """The form of a call with nothing before it (training, a first prefill): the config's, or under
+        "auto" the one measured faster on this device at this size (`replication.preferred_form`)."""
+        form = self.config.cross_attention_form
+        if form != "auto":
+            return form
+        return preferred_form(concept_states.device, mask.shape[1], num_slots, torch.is_grad_enabled())
 
     def _remember_reads(
         self,

@@ -144,6 +144,68 @@ def concept_counts(
     return (running - earlier) * mask.unsqueeze(-1)
 
 
+def log_count_bias(
+    counts: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L, N) log(count) scores bias in `dtype` (−inf where a slot is not readable) and (B, L) bool: does
+    the query see any slot. Rows that see nothing get a bias of 0 (their output is zeroed instead)."""
+    sees = (counts > 0).any(dim=-1)  # (B, L)
+    bias = torch.log(counts.to(dtype))
+    if not bool(sees.all()):
+        bias = bias.masked_fill(~sees.unsqueeze(-1), 0.0)
+    return bias, sees
+
+
+def run_count_bias(
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    starts: torch.Tensor,
+    num_slots: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`log_count_bias(concept_counts(...))` for a fresh call, built from each slot's run of positions: no
+    cumulative (B, L, N) one-hot and one log over N run lengths instead of over (B, L, N) counts.
+
+    Precondition (what DLCM's reading gives without a cache): every slot n >= 1 is carried by one
+    contiguous run of real tokens of one document; slot 0 (the null concept) by at most one run per
+    document. With r(t) the rank of real token t among its row's real tokens, a slot whose run ended at
+    or before t in t's document weighs log(run length); the slot t carries weighs log(r(t) − r(first) + 1);
+    the null slot weighs log(its positions in t's document up to t); every other slot −inf.
+    """
+    batch_size, length = index.shape
+    carries = mask & (index >= 0)
+    rank = torch.cumsum(mask.long(), dim=1)  # (B, L)
+    document = torch.cumsum((starts & mask).long(), dim=1)  # (B, L)
+    # Non-carriers scatter into a spare slot; slots nobody carries keep first = last = L + 1 (never read).
+    slot = torch.where(carries, index, num_slots)
+    unseen = torch.full((batch_size, num_slots + 1), length + 1, device=index.device, dtype=torch.long)
+    first = unseen.scatter_reduce(1, slot, rank, "amin", include_self=False)[:, :num_slots]
+    last = unseen.scatter_reduce(1, slot, rank, "amax", include_self=False)[:, :num_slots]
+    first[:, 0] = last[:, 0] = length + 1  # the null slot is filled in below, per document
+    run_bias = torch.log((last - first + 1).clamp(min=1).to(dtype))  # (B, N)
+    closed = rank.unsqueeze(2) >= last.unsqueeze(1)  # (B, L, N)
+    if bool(((starts & mask).sum(dim=1) > 1).any()):
+        # Packed rows: a slot of an earlier document is closed for t but not t's to read.
+        owner = unseen.scatter_reduce(1, slot, document, "amax", include_self=False)[:, :num_slots]
+        closed &= owner.unsqueeze(1) == document.unsqueeze(2)
+    bias = torch.where(closed, run_bias.unsqueeze(1), float("-inf"))  # (B, L, N)
+    # The null slot: its carriers in t's document up to t.
+    nulls = carries & (index == 0)
+    so_far = torch.cumsum(nulls.long(), dim=1)
+    before = torch.cummax(torch.where(starts & mask, so_far - nulls.long(), 0), dim=1).values
+    null_count = (so_far - before).to(dtype)
+    bias[..., 0] = torch.where(null_count > 0, null_count.log(), float("-inf"))
+    # The slot each token carries, its run so far.
+    current = torch.gather(first, 1, index.clamp(min=0))  # (B, L)
+    partial = torch.log((rank - current + 1).clamp(min=1).to(dtype))
+    rows, positions = torch.nonzero(carries & (index > 0), as_tuple=True)
+    bias[rows, positions, index[rows, positions]] = partial[rows, positions]
+    sees = (bias > float("-inf")).any(dim=-1) & mask
+    if not bool(sees.all()):
+        bias = bias.masked_fill(~sees.unsqueeze(-1), 0.0)
+    return bias, sees
+
+
 def update_concept_counts(
     counts: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor
 ) -> torch.Tensor:
@@ -169,24 +231,59 @@ def concept_attention_counted(
 ) -> torch.Tensor:
     """(B, H, L, K): softmax over slots of q·k_n·scale + log(count_n); `counts` (B, L, N), zeros give 0.
 
-    SDPA with log(count) as its float mask: the same function as the replicated form, N slots per query
-    instead of L positions."""
-    num_heads, head_dim = query_states.shape[1], query_states.shape[-1]
+    Why + log(count) equals replication: the c_n positions carrying slot n hold the same key and value,
+    so Σ_s e^{q·k_s} v_s / Σ_s e^{q·k_s} = Σ_n c_n e^{q·k_n} v_n / Σ_n c_n e^{q·k_n}, and c_n e^x =
+    e^{x + log c_n} (c_n = 0 gives −inf: not readable). SDPA with log(count) as its float mask: the same
+    function as the replicated form, N slots per query instead of L positions. `counts`: integer or float.
+    """
     if counts.dim() != 3 or counts.shape[2] != concept_k.shape[2]:
         raise ValueError(f"counts must be (B, L, N) with N = {concept_k.shape[2]}, got {tuple(counts.shape)}")
+    # The bias in at least float32: a half-precision log would round the weights of long runs.
+    bias, sees = log_count_bias(counts, torch.promote_types(query_states.dtype, torch.float32))
+    return concept_attention_biased(query_states, concept_k, concept_v, bias, sees, scale=scale)
+
+
+def concept_attention_biased(
+    query_states: torch.Tensor,
+    concept_k: torch.Tensor,
+    concept_v: torch.Tensor,
+    bias: torch.Tensor,
+    sees: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, H, L, K): SDPA over the N slots with the (B, L, N) log(count) `bias` as float mask
+    (`log_count_bias` or `run_count_bias`); queries that see nothing (`sees` (B, L) False) get zeros."""
+    num_heads, head_dim = query_states.shape[1], query_states.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
-    sees_something = (counts > 0).any(dim=-1)  # (B, L)
-    # log(count) as an additive mask (-inf where 0); rows that see nothing get zeros, then a zero output.
-    log_counts = torch.log(counts.to(query_states.dtype)).masked_fill(~sees_something[..., None], 0.0)
     attended = F.scaled_dot_product_attention(
         query_states,
         _expand_heads(concept_k, num_heads),
         _expand_heads(concept_v, num_heads),
-        attn_mask=log_counts.unsqueeze(1),
+        attn_mask=bias.unsqueeze(1).to(query_states.dtype),
         scale=scale,
     )
     # (B, H, L, K)
-    return attended.masked_fill(~sees_something[:, None, :, None], 0.0)
+    return attended.masked_fill(~sees[:, None, :, None], 0.0)
+
+
+# benchmarks/bench_dlcm.py part 1 on the 2-core CPU VM (BENCHMARKS.md, 2026-11-25; B = 1, 8 heads x 64,
+# L = 1k-8k): the counted form takes 0.25-0.62x the replicated time at R = 4 and 8 at every length, forward
+# and forward+backward; at R = 2 it wins forward+backward up to 4k tokens (0.72-0.98x) and the forward alone
+# up to 1k (0.87x), and loses beyond (1.01-1.11x). R between 2 and 3 follows the R = 2 measurements.
+CPU_COUNTED_ABOVE_RATIO = 3.0
+CPU_COUNTED_MAX_TOKENS = {True: 4096, False: 1024}
+
+
+def preferred_form(device: torch.device, num_tokens: int, num_slots: int, training: bool) -> str:
+    """ "replicated" or "counted": the form measured faster for a fresh call of `num_tokens` tokens over
+    `num_slots` concept slots on `device`, `training` meaning a backward pass follows. On CUDA the
+    replicated form (flash-attn's varlen kernel where installed: the paper's 1.26–1.73× over flex
+    attention; not measured here); on CPU the measured crossover above."""
+    if device.type != "cpu":
+        return "replicated"
+    if num_tokens >= CPU_COUNTED_ABOVE_RATIO * num_slots:
+        return "counted"
+    return "counted" if num_tokens <= CPU_COUNTED_MAX_TOKENS[training] else "replicated"
 
 
 def varlen_layout(mask: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
