@@ -61,6 +61,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 
 import torch
@@ -178,6 +179,28 @@ def sample_batch(rows: list[torch.Tensor], batch_size: int, context: int, rng: r
         start = rng.randrange(len(row) - context + 1)
         crops.append(row[start : start + context])
     return torch.stack(crops)  # (B, context)
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    """Distinct comma-separated seeds (an argparse type: a bad value exits 2 with a one-line message)."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated ints") from None
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} must name distinct seeds")
+    return values
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def cell(values: list[float], digits: int = 3) -> str:
+    """ "mean ± std" of the seeds' values."""
+    mean, std = mean_std(values)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def learning_rate_factor(step: int, steps: int) -> float:

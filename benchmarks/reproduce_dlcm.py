@@ -40,6 +40,7 @@ Mean ± sample std over the seeds; per-seed values and the curves in `--json`; `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import random
@@ -62,6 +63,8 @@ from hf_concept.modeling.routing import RatioAccumulator
 from hf_concept.utils import eval_mode
 
 TARGET_RATIO = 4.0
+# Ratios and lengths are printed with two decimals.
+cell = functools.partial(runner.cell, digits=2)
 CONFIGS = {
     "learned-global": dict(router="cosine", ratio_scope="global"),
     "rule-global": dict(router="rule", ratio_scope="global"),
@@ -78,7 +81,7 @@ PAPER = dict(learned_final=1.9, rule_final=4.0, global_realised=3.9)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=_int_list, default=(0, 1, 2), help="comma-separated seeds")
+    parser.add_argument("--seeds", type=runner.seed_list, default=(0, 1, 2), help="comma-separated seeds")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps, every configuration")
     parser.add_argument("--width", type=int, default=64, help="token width (the concept stage is 2x)")
     parser.add_argument(
@@ -104,16 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.width % HEAD_WIDTH:
         parser.error(f"--width={args.width} must be a multiple of the head width {HEAD_WIDTH}")
     return args
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated ints") from None
-    if not values or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r} must name distinct seeds")
-    return values
 
 
 def content_type(name: str) -> str:
@@ -272,12 +265,6 @@ def at_fraction_table(history: list[dict], key: str) -> dict[str, float]:
     return {f"{fraction:g}": at_fraction(history, key, fraction) for fraction in CHECKPOINTS}
 
 
-def cell(values: list[float], digits: int = 2) -> str:
-    mean = statistics.fmean(values)
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
 def by_config(runs: list[dict]) -> dict[str, list[dict]]:
     grouped: dict[str, list[dict]] = {}
     for entry in runs:
@@ -300,7 +287,7 @@ def print_heldout_table(runs: list[dict]) -> None:
     print(f"{'configuration':<18}{'loss (nats/token)':>20}{'inference ratio':>18}{'sampled ratio':>16}")
     for name, group in by_config(runs).items():
         figures = [[r["heldout"][key] for r in group] for key in ("loss", "inference_ratio", "sampled_ratio")]
-        print(f"{name:<18}{cell(figures[0], 3):>20}{cell(figures[1]):>18}{cell(figures[2]):>16}")
+        print(f"{name:<18}{runner.cell(figures[0], 3):>20}{cell(figures[1]):>18}{cell(figures[2]):>16}")
     print("\n[§8.3] average concept length (tokens per concept, inference) per content type")
     print(f"{'configuration':<18}" + "".join(f"{kind:>14}" for kind in CONTENT_TYPES) + f"{'max/min':>14}")
     for name, group in by_config(runs).items():

@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_bits_per_byte as runner
+from eval_bits_per_byte import cell, mean_std
 
 from hf_concept.data import LANGUAGES, load_text
 from hf_concept.evaluation import byte_gpt2_baseline, gpt2_num_parameters, padded_windows, scoring_windows
@@ -86,7 +87,7 @@ PAPER_TABLE_1 = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=_int_list, default=(0, 1, 2), help="comma-separated seeds")
+    parser.add_argument("--seeds", type=runner.seed_list, default=(0, 1, 2), help="comma-separated seeds")
     parser.add_argument("--steps", type=int, default=400, help="AdamW steps, every model")
     parser.add_argument("--width", type=int, default=96, help="width of every stage and of the GPT-2")
     parser.add_argument("--layers", type=runner._layer_split, default=(1, 3, 1), help="token,segment,decoder")
@@ -111,16 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.width % HEAD_WIDTH and not args.quick:
         parser.error(f"--width={args.width} must be a multiple of the head width {HEAD_WIDTH}")
     return args
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated ints") from None
-    if not values or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r} must name distinct seeds")
-    return values
 
 
 def runner_args(args: argparse.Namespace, seed: int, name: str) -> argparse.Namespace:
@@ -317,16 +308,6 @@ def run_model(args: argparse.Namespace, name: str, seed: int, fit: dict, texts: 
     record["eval_seconds"] = time.perf_counter() - start - train_seconds
     print(f"[seed {seed}] {name}: train {train_seconds:.0f}s, eval {record['eval_seconds']:.0f}s", flush=True)
     return record
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def cell(values: list[float], digits: int = 3) -> str:
-    mean, std = mean_std(values)
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def by_model(runs: list[dict]) -> dict[str, list[dict]]:

@@ -38,7 +38,11 @@ CASES = {
         "hidden_decoding",
         {"num_streams": 3, "stream_attention_layout": "ilif", "cross_stream_layers": 2, "sliding_window": 5},
     ),
-    "dlcm": (SPECS["dlcm-rule-mup"].make_config, "dlcm", {"concept_hidden_size": 48, "rule_threshold": 0.3}),
+    "dlcm": (
+        SPECS["dlcm-rule-mup"].make_config,
+        "dlcm",
+        {"concept_hidden_size": 48, "rule_threshold": 0.3, "smoothing": "linear"},
+    ),
     "lslm": (tiny_lslm_config, "lslm", {"token_encoder_layers": 1, "token_hidden_size": 16}),
 }
 

@@ -225,7 +225,7 @@ def family_settings(family: str, config) -> dict[str, Any]:
     elif family == "dlcm":
         names = ("encoder_layers", "concept_layers", "decoder_layers", "hidden_size", "concept_hidden_size")
         names += ("compression_ratio", "chunking", "router", "cross_num_attention_heads", "cross_head_dim")
-        names += ("mup_base_width", "ratio_scope")
+        names += ("mup_base_width", "ratio_scope", "smoothing")
         values = {name: get(name) for name in names}
         if get("router") == "rule":
             values["rule_threshold"] = get("rule_threshold")
