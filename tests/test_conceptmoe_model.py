@@ -10,7 +10,7 @@ from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
-from hf_concept.modeling.routing import ratio_loss
+from hf_concept.modeling.routing import RatioAccumulator, ratio_loss
 
 BACKBONE = dict(
     vocab_size=61,
@@ -146,7 +146,7 @@ def test_fixed_chunking_has_no_aux_loss_and_realises_the_ratio():
     assert_close(outputs.loss, outputs.lm_loss + 0.0, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("scope", ["global", "sequence"])
+@pytest.mark.parametrize("scope", ["global", "batch", "sequence"])
 def test_loss_adds_the_weighted_ratio_loss(scope):
     model = concept_model(ratio_scope=scope, aux_loss_weight=0.5, boundary_noise="none").train()
     input_ids = ids(2, 10, seed=9)
@@ -158,8 +158,15 @@ def test_loss_adds_the_weighted_ratio_loss(scope):
     ).loss
     assert_close(outputs.aux_loss, expected.detach(), atol=1e-6, rtol=0)
     assert_close(outputs.loss, outputs.lm_loss + 0.5 * expected, atol=1e-6, rtol=0)
+    if scope == "global":
+        # Under a Trainer (num_items_in_batch given) the global scope needs the step's running counts.
+        with pytest.raises(ValueError, match="ConceptTrainer"):
+            model(input_ids=input_ids, labels=input_ids, num_items_in_batch=36)
+        model.ratio_accumulator = RatioAccumulator(1)
+        model.ratio_accumulator.reset(step_token_count=input_ids.numel())
     scaled = model(input_ids=input_ids, labels=input_ids, num_items_in_batch=36)
-    factor = 18 / 36 if scope == "sequence" else 1.0
+    # The global share is the whole step's loss (one micro-batch); the others weigh 18 of 36 labels.
+    factor = 1.0 if scope == "global" else 18 / 36
     assert_close(scaled.aux_loss, expected.detach() * factor, atol=1e-6, rtol=0)
     scaled.loss.backward()
     assert model.model.chunker.q_proj.weight.grad.abs().sum() > 0
@@ -220,7 +227,7 @@ def test_joint_projectors_and_router_initialisation():
         ("concept_loop", [1, 1, 2]),
         ("concept_hidden_size", 16),
         ("aux_loss_weight", -1.0),
-        ("ratio_scope", "batch"),
+        ("ratio_scope", "step"),
     ],
 )
 def test_bad_config_values_raise_naming_the_field(field, value):

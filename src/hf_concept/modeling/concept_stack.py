@@ -264,9 +264,10 @@ class ConceptCausalLMMixin(CausalLMMixin):
     """Causal LM of the concept-level families: loss = LM cross-entropy + `aux_loss_weight` · ratio loss
     (0 for fixed chunking), with `lm_loss`, `aux_loss`, `compression_ratio` (real tokens per concept)
     and `boundary_prob_mean` in the output. Scope "global" adds the ratio loss share (routing.py; set
-    `ratio_accumulator` to a `RatioAccumulator` for gradient accumulation); scope "sequence" is scaled by
-    local label tokens / `num_items_in_batch` when that is given. The backbone returns a
-    `ConceptModelOutput`.
+    `ratio_accumulator` to a `RatioAccumulator` reset every optimizer step — `ConceptTrainer` does — and
+    under a `Trainer` without one it raises instead of counting the step k times); scopes "batch" and
+    "sequence" are scaled by local label tokens / `num_items_in_batch` when that is given. The backbone
+    returns a `ConceptModelOutput`.
     """
 
     output_class = ConceptCausalLMOutput
@@ -331,6 +332,20 @@ class ConceptCausalLMMixin(CausalLMMixin):
         if self.config.chunking == "fixed":
             return probs.new_zeros(())
         scope = self.config.ratio_scope
+        if (
+            scope == "global"
+            and self.training
+            and self.ratio_accumulator is None
+            and num_items_in_batch is not None
+        ):
+            # A Trainer passes num_items_in_batch; without the step's running counts each accumulated
+            # micro-batch would add the whole step's loss again.
+            raise ValueError(
+                "ratio_scope='global' (ratio statistics over the whole optimizer step) needs the step's "
+                "running counts: train with hf_concept.training.ConceptTrainer (or ConceptSFTTrainer for "
+                "TRL), or set model.ratio_accumulator to a RatioAccumulator reset at every optimizer step, "
+                "or choose ratio_scope='batch' or 'sequence'"
+            )
         result = ratio_loss(
             probs,
             outputs.boundaries,
@@ -341,7 +356,8 @@ class ConceptCausalLMMixin(CausalLMMixin):
             # Evaluation batches are not micro-batches of an optimizer step: they never touch the accumulator.
             accumulator=self.ratio_accumulator if scope == "global" and self.training else None,
         )
-        if scope == "sequence":
+        if scope in ("sequence", "batch"):
+            # A micro-batch's figure weighs by its share of the step's label tokens, as the LM loss does.
             local_items = (labels[..., 1:] != -100).sum()
             return scale_aux_loss(result.loss, local_items, num_items_in_batch)
         return result.loss

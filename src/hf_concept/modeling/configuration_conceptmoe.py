@@ -26,7 +26,7 @@ ROUTER_INITS = ("random", "identity")
 BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
 POOLING_KINDS = ("first", "sum", "mean")
 DECHUNK_RESIDUALS = ("output", "delta")
-RATIO_SCOPES = ("global", "sequence")
+RATIO_SCOPES = ("global", "batch", "sequence")
 # Joint decoding on the last J decoder layers; None means min(DEFAULT_JOINT_LAYERS, decoder_layers).
 DEFAULT_JOINT_LAYERS = 4
 

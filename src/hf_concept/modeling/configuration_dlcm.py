@@ -9,7 +9,9 @@ head dim and MLP width; the decoder's cross-attention its own heads and common h
 Boundaries: a learned cosine router (`router="cosine"`) sampled in training (`boundary_noise`), or the
 parameter-free rule router (`router="rule"`, boundary where ½(1 − cos(h_{t−1}, h_t)) > `rule_threshold`,
 the §8.1 comparison); `chunking="fixed"` opens a chunk every `compression_ratio` tokens instead. The ratio
-loss is global (`ratio_scope="global"`, the Global Parser) or per sequence ("Normal", Table 4).
+loss is global (`ratio_scope="global"`, the Global Parser: F and G over every token of the optimizer
+step, all ranks and accumulated micro-batches; needs `hf_concept.training.ConceptTrainer`, which keeps the
+step's running counts), per micro-batch (`"batch"`) or per sequence (`"sequence"`, "Normal", Table 4).
 
 Smoothing (§3.5.1, `smoothing.py`): `"ema"` (default) is H-Net's, which DLCM says it follows: z̃_m =
 p_m z_m + (1 − p_m) z̃_{m−1} with p_m the opening token's boundary probability, and each token's
@@ -53,7 +55,7 @@ from .dlcm_stages import fill_stage_defaults
 ROUTER_KINDS = ("cosine", "rule")
 CHUNKING_KINDS = ("dynamic", "fixed")
 BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
-RATIO_SCOPES = ("global", "sequence")
+RATIO_SCOPES = ("global", "batch", "sequence")
 SMOOTHING_KINDS = ("ema", "linear")
 CROSS_ATTENTION_FORMS = ("auto", "replicated", "counted")
 

@@ -110,9 +110,7 @@ class ConceptTrainer(Trainer):
                 model.ratio_accumulator = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(
-            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
-        )
+        loss, outputs = self.model_loss(model, inputs, num_items_in_batch)
         if model.training:
             shares = num_items_in_batch is not None and self.model_accepts_loss_kwargs
             # A share counts as 1/k of a step, so that a step's k micro-batches add up to one step.
@@ -131,6 +129,14 @@ class ConceptTrainer(Trainer):
                 self._eval_sums[name] = self._eval_sums.get(name, 0.0) + value
                 self._eval_counts[name] = self._eval_counts.get(name, 0.0) + 1.0
         return (loss, outputs) if return_outputs else loss
+
+    def model_loss(self, model, inputs, num_items_in_batch=None) -> tuple[torch.Tensor, Any]:
+        """(loss, outputs): the loss the model computes itself (LM loss plus its ratio or KL term), as
+        `Trainer.compute_loss` takes it. Named here so that a subclass of another trainer (TRL's
+        `SFTTrainer`, whose own `compute_loss` projects the LM head itself and drops those terms) keeps it."""
+        return Trainer.compute_loss(
+            self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
 
     @staticmethod
     def _metric_values(outputs: Any, names: tuple[str, ...]) -> dict[str, float]:

@@ -1,0 +1,119 @@
+"""The ratio loss under the trainers users pair the concept families with (issue 17, point 1, first part):
+the three scopes, a clear error where the global scope would be counted once per accumulated micro-batch,
+and TRL's SFTTrainer, which drops the model's own ratio loss, against `ConceptSFTTrainer`, which keeps it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
+from hf_concept.modeling.configuration_dlcm import DLCMConfig
+from hf_concept.modeling.tokenization_lslm import VOCAB_SIZE, ByteTokenizer
+from hf_concept.training import ConceptTrainer
+from tests.conformance.families import _conceptmoe_class, _conceptmoe_config, _dlcm_class, _dlcm_config
+
+FAMILIES = {"conceptmoe": (_conceptmoe_class, _conceptmoe_config), "dlcm": (_dlcm_class, _dlcm_config)}
+TEXTS = ["bytes in, concepts out", "a tiny corpus of lines", "of four short lines", "for a few steps"]
+
+
+def build(family: str, seed: int = 0, **overrides):
+    model_class, make_config = FAMILIES[family]
+    torch.manual_seed(seed)
+    # The byte tokenizer's ids (pad 0, bos 1, eos 2) fit every family; no noise: a pass is deterministic.
+    config = make_config(
+        vocab_size=VOCAB_SIZE, max_position_embeddings=256, boundary_noise="none", **overrides
+    )
+    return model_class()(config)
+
+
+@pytest.mark.parametrize("config_class", [ConceptMoEConfig, DLCMConfig])
+def test_every_scope_is_a_choice_and_a_bad_one_is_named(config_class):
+    for scope in ("global", "batch", "sequence"):
+        assert config_class(ratio_scope=scope).ratio_scope == scope
+    with pytest.raises(ValueError, match="ratio_scope='step'"):
+        config_class(ratio_scope="step")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batch_scope_shares_add_up_to_the_token_weighted_micro_batch_losses(family):
+    model = build(family, ratio_scope="batch").train()
+    input_ids = torch.randint(3, VOCAB_SIZE, (4, 24), generator=torch.Generator().manual_seed(1))
+    halves = input_ids[:2], input_ids[2:]
+    items = torch.tensor(4 * 23)
+    shares = [model(input_ids=half, labels=half, num_items_in_batch=items).aux_loss for half in halves]
+    alone = [model(input_ids=half, labels=half).aux_loss for half in halves]
+    # Equal label counts per half: the step's figure is the mean of the micro-batches' own losses.
+    torch.testing.assert_close(sum(shares), sum(alone) / 2, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_global_scope_under_a_plain_trainer_is_refused_with_the_fix(family, tmp_path):
+    model = build(family, ratio_scope="global")
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (8, 16)).tolist()]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="ConceptTrainer") as error:
+        Trainer(model=model, args=args, train_dataset=rows).train()
+    assert "ratio_scope='batch' or 'sequence'" in str(error.value)
+    # ConceptTrainer keeps the step's running counts: the same run trains.
+    ConceptTrainer(model=build(family, ratio_scope="global"), args=args, train_dataset=rows).train()
+
+
+def sft_run(trainer_class, family: str, tmp_path, accumulation: int = 1, **overrides):
+    """One SFT step over the four texts in one batch; the model, its loss on that batch before the step,
+    and the trainer's log."""
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl) — SFTTrainer not checked")
+    from datasets import Dataset
+
+    model = build(family, **overrides)
+    tokenizer = ByteTokenizer()
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4 // accumulation,
+        gradient_accumulation_steps=accumulation, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, max_length=64,
+        dataloader_num_workers=0, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = trainer_class(
+        model=model, args=config, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    model.train()
+    with torch.no_grad():
+        expected = model(**batch)
+    trainer.train()
+    return expected, trainer.state.log_history[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sft_trainer_drops_the_ratio_loss_and_concept_sft_trainer_keeps_it(family, tmp_path):
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl) — SFTTrainer not checked")
+    from hf_concept.training.sft import ConceptSFTTrainer
+
+    expected, kept = sft_run(
+        ConceptSFTTrainer, family, tmp_path / "kept", ratio_scope="batch", compression_ratio=4.0
+    )
+    weight = expected.loss - expected.lm_loss
+    assert float(weight) > 1e-4, "the ratio term must be visible for this test to mean anything"
+    # The logged loss is the model's own: LM + λ · ratio loss, and the concept metrics are logged.
+    assert kept["loss"] == pytest.approx(float(expected.loss), rel=1e-4)
+    assert {"aux_loss", "compression_ratio", "inference_compression_ratio"} <= set(kept)
+    _, dropped = sft_run(
+        trl.SFTTrainer, family, tmp_path / "dropped", ratio_scope="batch", compression_ratio=4.0
+    )
+    # TRL's fused head scores the LM loss alone: the ratio term is gone, without a word.
+    assert dropped["loss"] == pytest.approx(float(expected.lm_loss), rel=1e-4)
+    assert not math.isclose(dropped["loss"], kept["loss"], rel_tol=1e-4)
+
+
+def test_concept_sft_trainer_runs_the_global_scope_with_accumulation(tmp_path):
+    from hf_concept.training.sft import ConceptSFTTrainer
+
+    pytest.importorskip("trl")
+    _, log = sft_run(ConceptSFTTrainer, "dlcm", tmp_path, accumulation=2, ratio_scope="global")
+    assert math.isfinite(log["loss"]) and "aux_loss" in log
