@@ -241,3 +241,24 @@ def test_bad_config_values_raise_naming_the_field(field, value):
 def test_fixed_ratio_must_be_an_integer():
     with pytest.raises(ValueError, match=r"compression_ratio=2\.5"):
         ConceptMoEConfig(**BACKBONE, chunking="fixed", compression_ratio=2.5)
+
+
+def test_concept_layers_route_to_their_own_top_k():
+    from tests.conformance.families import _conceptmoe_concept_topk_config
+
+    torch.manual_seed(0)
+    model = ConceptMoEForCausalLM(_conceptmoe_concept_topk_config()).eval()
+    top_ks = {
+        stage: {layer.mlp.top_k for layer in getattr(model.model, f"{stage}_layers")}
+        for stage in ("encoder", "concept", "decoder")
+    }
+    assert top_ks == {"encoder": {1}, "concept": {3}, "decoder": {1}}
+    input_ids = ids(2, 12, seed=4)
+    with torch.no_grad():
+        wide = model(input_ids=input_ids).logits
+        for layer in model.model.concept_layers:
+            layer.mlp.top_k = 1
+        narrow = model(input_ids=input_ids).logits
+    # The concept layers' top-k is what they run: routing to one expert there changes later logits.
+    assert (wide - narrow).abs().max() > 1e-5
+    assert ConceptMoEConfig(num_experts=4, num_experts_per_tok=2).concept_top_k == 2

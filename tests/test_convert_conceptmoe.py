@@ -504,16 +504,28 @@ def test_cli_flags_map_onto_the_converter(tmp_path, capsys):
     assert exit_info.value.code == 2 and "START:END:TIMES" in capsys.readouterr().err
 
 
-def test_experts_per_token_changes_a_moe_source_top_k(tmp_path):
+def test_experts_per_token_changes_the_concept_layers_top_k_only(tmp_path):
     case = next(case for case in CASES if case.name == "mixtral")
     four_layers = dataclasses.replace(case, overrides={**case.overrides, "num_hidden_layers": 4})
-    save_sharded(build_source(four_layers), tmp_path / "src")
+    source = build_source(four_layers)
+    save_sharded(source, tmp_path / "src")
     convert_to_conceptmoe(tmp_path / "src", tmp_path / "dst", experts_per_token=1, **CONVERT_EXACT)
     config = json.loads((tmp_path / "dst" / "config.json").read_text())
-    assert (config["num_experts"], config["num_experts_per_tok"]) == (4, 1)
+    source_top_k = source.config.num_experts_per_tok
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (4, source_top_k)
+    assert config["concept_num_experts_per_tok"] == 1 != source_top_k
     experts = {name for name in read_checkpoint(tmp_path / "dst") if ".mlp.experts." in name}
     assert len(experts) == 4 * 4 * 3
-    with pytest.raises(ValueError, match="num_experts_per_tok=5"):
+    # §3.5 Strategy 1: the concept layers route to the new top-k; encoder and decoder keep the source's.
+    from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+
+    model = ConceptMoEForCausalLM.from_pretrained(tmp_path / "dst")
+    top_ks = {
+        stage: {layer.mlp.top_k for layer in getattr(model.model, f"{stage}_layers")}
+        for stage in ("encoder", "concept", "decoder")
+    }
+    assert top_ks == {"encoder": {source_top_k}, "concept": {1}, "decoder": {source_top_k}}
+    with pytest.raises(ValueError, match="concept_num_experts_per_tok=5"):
         convert_to_conceptmoe(tmp_path / "src", tmp_path / "other", experts_per_token=5, **CONVERT_EXACT)
     assert not (tmp_path / "other").exists()
 

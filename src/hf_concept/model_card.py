@@ -216,6 +216,8 @@ def family_settings(family: str, config) -> dict[str, Any]:
         names = ("chunking", "compression_ratio", "router", "router_init", "pooling", "dechunk_residual")
         values.update({name: get(name) for name in names}, concept_hidden_size=get("concept_width"))
         values.update(joint_decoding_layers=get("num_joint_layers"), concept_loop=get("concept_loop"))
+        if experts:
+            values["concept_num_experts_per_tok"] = get("concept_top_k")
     elif family == "hidden_decoding":
         layout = list(get("stream_attention_layout") or [])
         values = {"num_streams": get("num_streams"), "stream_attention_layout": "".join(k[0] for k in layout)}

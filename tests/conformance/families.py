@@ -120,6 +120,21 @@ def _conceptmoe_mean_moe_config(**overrides: Any):
     return _conceptmoe_config(**values)
 
 
+def _conceptmoe_concept_topk_config(**overrides: Any):
+    # §3.5 reallocation: a wider concept stack (in/out projections) whose MoE routes to more experts
+    # than the token stages.
+    values = dict(
+        num_experts=4,
+        num_experts_per_tok=1,
+        concept_num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        concept_hidden_size=48,
+        num_hidden_layers=5,
+    )
+    values.update(overrides)
+    return _conceptmoe_config(**values)
+
+
 def _conceptmoe_class() -> type:
     from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
@@ -323,6 +338,15 @@ FAMILIES: list[FamilySpec] = [
         model_class=_conceptmoe_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
         invalid_values=(("dechunk_residual", "input"), ("concept_loop", [0, 2, 1]), ("encoder_layers", 4)),
+        force_boundaries=_fixed_chunks,
+        logged_metrics=CONCEPT_METRICS,
+    ),
+    FamilySpec(
+        name="conceptmoe-concept-topk",
+        make_config=_conceptmoe_concept_topk_config,
+        model_class=_conceptmoe_class,
+        lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        invalid_values=(("concept_num_experts_per_tok", 5), ("concept_num_experts_per_tok", 0)),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,
     ),

@@ -78,7 +78,13 @@ def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
         metavar="START:END:TIMES",
         help="Run concept layers [START, END) TIMES extra times (no new parameters).",
     )
-    parser.add_argument("--experts-per-token", type=int, default=None, help="New top-k for a MoE source.")
+    parser.add_argument(
+        "--experts-per-token",
+        type=int,
+        default=None,
+        help="Top-k of the concept layers of a MoE source (§3.5: compute saved by chunking goes there); "
+        "encoder and decoder keep the source's.",
+    )
     parser.add_argument("--router", choices=("cosine", "linear"), default="cosine")
     parser.add_argument("--router-init", choices=("random", "identity"), default="random")
     parser.add_argument("--pooling", choices=("first", "sum", "mean"), default="first")

@@ -97,7 +97,9 @@ def conceptmoe_config_from_source(source_config, **options: Any):
                 f"experts_per_token={experts_per_token!r} needs a MoE source; "
                 f"model_type={source_config.model_type!r} is dense"
             )
-        fields["num_experts_per_tok"] = experts_per_token
+        # §3.5 Strategy 1: the compute saved by chunking goes to the concept layers only; the encoder and
+        # decoder keep the source's top-k.
+        fields["concept_num_experts_per_tok"] = experts_per_token
     loop = options.pop("concept_loop")
     if options["router_init"] == "identity" and options["router"] != "cosine":
         raise ValueError(f"router_init='identity' needs router='cosine', got router={options['router']!r}")

@@ -67,6 +67,7 @@ class ConceptMoEConfig(PlainDecoderConfig):
     joint_decoding_layers: int | None = None
     concept_loop: list[int] | None = None
     concept_hidden_size: int | None = None
+    concept_num_experts_per_tok: int | None = None
     aux_loss_weight: float = 0.03
     ratio_scope: str = "global"
 
@@ -92,6 +93,13 @@ class ConceptMoEConfig(PlainDecoderConfig):
     @property
     def concept_width(self) -> int:
         return self.hidden_size if self.concept_hidden_size is None else self.concept_hidden_size
+
+    @property
+    def concept_top_k(self) -> int:
+        """Experts per token in the concept layers (§3.5 Strategy 1: raised where compute was saved);
+        `num_experts_per_tok` unless `concept_num_experts_per_tok` is set."""
+        value = self.concept_num_experts_per_tok
+        return self.num_experts_per_tok if value is None else value
 
     def concept_layer_schedule(self) -> list[int]:
         """Concept-layer indices (within the concept stack) in the order they run, loops unrolled."""
@@ -171,6 +179,14 @@ class ConceptMoEConfig(PlainDecoderConfig):
                     f"0 <= start < end <= {self.num_concept_layers} concept layers and extra in "
                     f"[1, {MAX_COUNT}]"
                 )
+        top_k = self.concept_num_experts_per_tok
+        if top_k is not None and not (
+            self.num_experts > 0 and _is_int(top_k) and 1 <= top_k <= self.num_experts
+        ):
+            raise ValueError(
+                f"concept_num_experts_per_tok={top_k!r} must be None or an integer in "
+                f"[1, num_experts={self.num_experts}] (a MoE backbone)"
+            )
         width = self.concept_hidden_size
         if width is not None and not (_is_int(width) and self.hidden_size <= width <= MAX_SIZE):
             raise ValueError(
