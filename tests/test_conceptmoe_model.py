@@ -253,6 +253,13 @@ def test_concept_layers_route_to_their_own_top_k():
         for stage in ("encoder", "concept", "decoder")
     }
     assert top_ks == {"encoder": {1}, "concept": {3}, "decoder": {1}}
+    # Strategy 3: wider concept layers — 6 query / 3 key-value heads of the token head dim 8 at width 48,
+    # experts 24 wide — behind the in/out projections.
+    concept = model.model.concept_layers[0]
+    assert concept.self_attn.q_proj.weight.shape == (6 * 8, 48)
+    assert concept.self_attn.k_proj.weight.shape == (3 * 8, 48)
+    assert concept.mlp.experts[0].gate_proj.weight.shape == (24, 48)
+    assert model.model.encoder_layers[0].self_attn.q_proj.weight.shape == (4 * 8, 32)
     input_ids = ids(2, 12, seed=4)
     with torch.no_grad():
         wide = model(input_ids=input_ids).logits

@@ -121,14 +121,18 @@ def _conceptmoe_mean_moe_config(**overrides: Any):
 
 
 def _conceptmoe_concept_topk_config(**overrides: Any):
-    # §3.5 reallocation: a wider concept stack (in/out projections) whose MoE routes to more experts
-    # than the token stages.
+    # §3.5 reallocation: a wider concept stack (in/out projections, more heads, wider experts) whose MoE
+    # routes to more experts than the token stages.
     values = dict(
         num_experts=4,
         num_experts_per_tok=1,
         concept_num_experts_per_tok=3,
         moe_intermediate_size=16,
         concept_hidden_size=48,
+        concept_num_attention_heads=6,
+        concept_num_key_value_heads=3,
+        concept_moe_intermediate_size=24,
+        concept_intermediate_size=96,
         num_hidden_layers=5,
     )
     values.update(overrides)
@@ -346,7 +350,12 @@ FAMILIES: list[FamilySpec] = [
         make_config=_conceptmoe_concept_topk_config,
         model_class=_conceptmoe_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
-        invalid_values=(("concept_num_experts_per_tok", 5), ("concept_num_experts_per_tok", 0)),
+        invalid_values=(
+            ("concept_num_experts_per_tok", 5),
+            ("concept_num_experts_per_tok", 0),
+            ("concept_num_key_value_heads", 4),
+            ("concept_moe_intermediate_size", -1),
+        ),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,
     ),

@@ -68,6 +68,10 @@ class ConceptMoEConfig(PlainDecoderConfig):
     concept_loop: list[int] | None = None
     concept_hidden_size: int | None = None
     concept_num_experts_per_tok: int | None = None
+    concept_num_attention_heads: int | None = None
+    concept_num_key_value_heads: int | None = None
+    concept_intermediate_size: int | None = None
+    concept_moe_intermediate_size: int | None = None
     aux_loss_weight: float = 0.03
     ratio_scope: str = "global"
 
@@ -93,6 +97,24 @@ class ConceptMoEConfig(PlainDecoderConfig):
     @property
     def concept_width(self) -> int:
         return self.hidden_size if self.concept_hidden_size is None else self.concept_hidden_size
+
+    def concept_overrides(self) -> dict[str, int]:
+        """The fields the concept layers see differently from the token stages (§3.5 Strategy 3: a wider
+        concept stack — width, heads, MLP and expert widths — and Strategy 1: its own top-k); the
+        head dim stays the token stages' (one RoPE table)."""
+        overrides = {"hidden_size": self.concept_width} if self.concept_width != self.hidden_size else {}
+        if self.concept_top_k != self.num_experts_per_tok:
+            overrides["num_experts_per_tok"] = self.concept_top_k
+        for name in (
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "moe_intermediate_size",
+        ):
+            value = getattr(self, f"concept_{name}")
+            if value is not None:
+                overrides[name] = value
+        return overrides
 
     @property
     def concept_top_k(self) -> int:
@@ -186,6 +208,17 @@ class ConceptMoEConfig(PlainDecoderConfig):
             raise ValueError(
                 f"concept_num_experts_per_tok={top_k!r} must be None or an integer in "
                 f"[1, num_experts={self.num_experts}] (a MoE backbone)"
+            )
+        for name in ("concept_intermediate_size", "concept_moe_intermediate_size"):
+            _check_int(name, getattr(self, name), optional=True)
+        for name in ("concept_num_attention_heads", "concept_num_key_value_heads"):
+            _check_int(name, getattr(self, name), high=MAX_COUNT, optional=True)
+        # Unset concept fields are the token stages' (key/value heads included).
+        heads = self.concept_num_attention_heads or self.num_attention_heads
+        kv_heads = self.concept_num_key_value_heads or self.num_key_value_heads
+        if _is_int(heads) and _is_int(kv_heads) and heads % kv_heads:
+            raise ValueError(
+                f"concept_num_key_value_heads={kv_heads!r} must divide concept_num_attention_heads={heads!r}"
             )
         width = self.concept_hidden_size
         if width is not None and not (_is_int(width) and self.hidden_size <= width <= MAX_SIZE):

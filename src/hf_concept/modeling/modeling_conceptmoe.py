@@ -177,10 +177,8 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, width, self.padding_idx)
         self.encoder_layers = nn.ModuleList(DecoderLayer(config, index) for index in range(num_encoder))
         self.chunker = Chunker(config)
-        # The concept stack may be wider and route to more experts than the token stages (§3.5).
-        overrides = {"hidden_size": concept_width} if concept_width != width else {}
-        if config.concept_top_k != config.num_experts_per_tok:
-            overrides["num_experts_per_tok"] = config.concept_top_k
+        # The concept stack may be wider, with more heads and experts, than the token stages (§3.5).
+        overrides = config.concept_overrides()
         concept_config = ConfigView(config, **overrides) if overrides else config
         if concept_width != width:
             self.concept_in_proj = nn.Linear(width, concept_width, bias=False)
