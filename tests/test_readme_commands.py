@@ -19,6 +19,7 @@ RUN_BY = {
     "convert": ("tests/test_convert_conceptmoe.py", '"convert"'),
     "expand": ("tests/test_convert_hidden_decoding.py", '"expand"'),
     "plan": ("tests/test_planning.py", '"plan"'),
+    "compute": ("tests/test_compute.py", '"compute"'),
     "fit-scaling": ("tests/test_scaling.py", '"fit-scaling"'),
     "train": ("tests/test_train_command.py", '"train"'),
     "generate": ("tests/test_generate_command.py", '"generate"'),

@@ -19,6 +19,7 @@ COMMANDS = {
     "expand": "hf_concept.commands.expand",
     "fit-scaling": "hf_concept.commands.fit_scaling",
     "plan": "hf_concept.commands.plan",
+    "compute": "hf_concept.commands.compute",
     "train": "hf_concept.commands.train",
     "generate": "hf_concept.commands.generate",
     "segment": "hf_concept.commands.segment",
