@@ -117,3 +117,58 @@ def test_concept_sft_trainer_runs_the_global_scope_with_accumulation(tmp_path):
     pytest.importorskip("trl")
     _, log = sft_run(ConceptSFTTrainer, "dlcm", tmp_path, accumulation=2, ratio_scope="global")
     assert math.isfinite(log["loss"]) and "aux_loss" in log
+
+
+class _GradientsBeforeTheStep:
+    """Trainer callback: the router's gradients as the optimizer is about to use them (clipping off)."""
+
+    def __init__(self) -> None:
+        self.gradients: list[torch.Tensor] = []
+
+    def __getattr__(self, name):
+        # Every other TrainerCallback event does nothing.
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        router = [value for name, value in model.named_parameters() if "chunker" in name]
+        self.gradients.append(torch.cat([value.grad.flatten() for value in router]))
+
+
+# The global scope's earlier micro-batches use the running F of the step so far (routing.py: "the only
+# approximation"), so its split step is not yet the big batch's: the open part of issue 17, point 1.
+GLOBAL_SPLIT = pytest.param(
+    "ConceptTrainer",
+    "global",
+    marks=pytest.mark.xfail(strict=True, reason="running F in earlier micro-batches (issue 17, point 1)"),
+)
+SPLITS = [("Trainer", "sequence"), ("Trainer", "batch"), ("ConceptTrainer", "sequence"), GLOBAL_SPLIT]
+
+
+@pytest.mark.parametrize(("trainer_name", "scope"), SPLITS)
+def test_accumulation_four_equals_one_batch_four_times_as_large(trainer_name, scope, tmp_path):
+    """One optimizer step on 8 equal-length rows: 4 micro-batches of 2 against 1 batch of 8. Same loss and
+    router gradients within 1e-5 where the scope's statistic does not depend on how the step is split
+    (per sequence; over the step with ConceptTrainer's running counts). The per-micro-batch "batch" scope
+    is a different statistic when split, so its figures are compared for what they are: not equal."""
+    trainer_class = {"Trainer": Trainer, "ConceptTrainer": ConceptTrainer}[trainer_name]
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (8, 24)).tolist()]
+    results = []
+    for batch, accumulation in ((8, 1), (2, 4)):
+        callback = _GradientsBeforeTheStep()
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(batch)), per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1e-3, max_grad_norm=0.0,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        model = build("conceptmoe", ratio_scope=scope, compression_ratio=4.0)
+        trainer = trainer_class(model=model, args=args, train_dataset=rows, callbacks=[callback])
+        trainer.train()
+        results.append((trainer.state.log_history[0]["loss"], callback.gradients[0]))
+    (big_loss, big_grad), (split_loss, split_grad) = results
+    if scope == "batch":
+        assert (big_grad - split_grad).abs().max() > 1e-5
+        return
+    assert split_loss == pytest.approx(big_loss, abs=1e-5)
+    torch.testing.assert_close(split_grad, big_grad, atol=1e-5, rtol=1e-4)
