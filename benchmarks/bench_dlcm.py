@@ -331,9 +331,9 @@ def print_attention(rows: list[dict[str, float]], args: argparse.Namespace) -> N
             cells = " ".join(f"{figure:>10.2f}" for figure in figures)
             print(f"{row['length']:>6} {row['ratio']:>3} {row['slots']:>5} {label:>8} {cells}")
     print(
-        "columns: counted = the library's L x M form as the model runs it (counts from the index, SDPA with "
-        "log(count) as float mask); eager / sdpa build the (L, M) bias from each slot's run of positions in "
-        "the call; prebuilt = sdpa with that bias built once beforehand"
+        "columns: counted = the library's L x M form as the model runs it (log(count) bias from each "
+        "slot's run of positions, SDPA with it as float mask); eager / sdpa build the (L, M) bias the same "
+        "way in the call; prebuilt = sdpa with that bias built once beforehand"
     )
     print_crossover(rows)
     at_target = {(row["length"], row["ratio"]): row for row in rows}.get((TARGET_LENGTH, 4))
