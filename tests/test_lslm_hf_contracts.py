@@ -320,9 +320,13 @@ def test_two_process_ddp_equals_one_process_on_the_whole_batch(tmp_path):
             assert_close(result["parameters"][name], single["parameters"][name], atol=1e-5, rtol=0)
 
 
-def test_sft_trainer_trains_an_lslm_checkpoint(tmp_path):
+def test_concept_sft_trainer_trains_an_lslm_checkpoint_on_its_elbo(tmp_path):
+    """TRL's own SFTTrainer would score the LM loss alone (its fused head); `ConceptSFTTrainer` keeps the
+    model's ELBO, KL term included, and logs it."""
     trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl) — SFTTrainer not checked")
     from datasets import Dataset
+
+    from hf_concept.training.sft import ConceptSFTTrainer
 
     folder = tmp_path / "checkpoint"
     build_model().save_pretrained(folder)
@@ -344,15 +348,17 @@ def test_sft_trainer_trains_an_lslm_checkpoint(tmp_path):
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = trl.SFTTrainer(
+    trainer = ConceptSFTTrainer(
         model=model,
         args=config,
         train_dataset=Dataset.from_dict({"text": texts}),
         processing_class=ByteTokenizer.from_pretrained(folder),
     )
     trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
+    # The ELBO: decoder loss + β·KL (β = kl_weight), both logged.
+    assert all({"lm_loss", "kl_loss"} <= set(log) and log["kl_loss"] > 0 for log in logs)
     moved = [
         name for name, value in model.model.router.named_parameters() if not torch.equal(value, router[name])
     ]
