@@ -340,6 +340,37 @@ def test_two_processes_share_the_global_ratio_statistics_and_end_identical(works
         assert torch.equal(value, parameters[0][name]), name
 
 
+def test_two_processes_with_the_sequence_scope_add_the_micro_batch_shares(workspace, tmp_path):
+    """torchrun --nproc_per_node 2 with ratio_scope="sequence": each rank's micro-batch adds its share of
+    the step's label tokens, so the logged ratio loss is the sum of the four shares and the loss is
+    lm_loss + λ·aux_loss, the same on both ranks, with identical parameters at the end."""
+    _conceptmoe_config(ratio_scope="sequence").save_pretrained(tmp_path / "config")
+    records = tmp_path / "ranks"
+    records.mkdir()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
+    address = ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    command = [
+        *launcher, *address, "-m", "hf_concept.cli", "train", str(tmp_path / "config"),
+        "--data", str(workspace / "corpus.txt"), "--tokenizer", str(workspace / "tokenizer"),
+        "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--logging-steps", "1",
+        "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "2", "--block-size", "48",
+        "--save-steps", "0", "--callback", "tests.workers.train_worker:RecordRanks",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **{RECORD_DIR_ENV: str(records)})
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    ranks = [torch.load(records / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    logs = [[entry for entry in rank["logs"] if "loss" in entry] for rank in ranks]
+    assert logs[0] == logs[1] and len(logs[0]) == 2
+    for step, entry in enumerate(logs[0]):
+        batches = [batch for rank in ranks for batch in rank["micro_batches"][2 * step : 2 * step + 2]]
+        assert entry["aux_loss"] == pytest.approx(sum(batch["aux_loss"] for batch in batches), abs=2e-6)
+        assert entry["aux_loss"] > 0
+        assert entry["loss"] == pytest.approx(entry["lm_loss"] + 0.03 * entry["aux_loss"], abs=1e-4)
+    for name, value in ranks[0]["parameters"].items():
+        assert torch.equal(value, ranks[1]["parameters"][name]), name
+
+
 def test_python_api_trains_hidden_decoding_from_a_config_object(workspace, tmp_path):
     """`train(...)` with a config object, a tokenizer object and separate eval data (Hidden Decoding)."""
     from hf_concept.training.recipes import train

@@ -42,6 +42,9 @@ class RecordRanks(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         accumulator = model.ratio_accumulator
+        if accumulator is None:
+            # Scopes other than "global" keep no step statistics.
+            return
         self.steps.append(
             {"counts": accumulator.running_counts.clone(), "micro_batches": accumulator.micro_batches_seen}
         )
