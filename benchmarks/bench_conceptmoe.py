@@ -380,7 +380,7 @@ def sections_of(model: ConceptMoEForCausalLM) -> Iterator[Sections]:
     sections.wrap(modeling_conceptmoe, "emit_concepts", "  emit_concepts (pooling, slots)")
     sections.wrap(inner, "run_concept_model", "  run_concept_model (incl. concept layers)")
     sections.wrap(concept_stack, "concept_attention_mask", "    concept_attention_mask")
-    sections.wrap(inner, "continue_ema", "  continue_ema")
+    sections.wrap(modeling_conceptmoe, "probability_smoothing", "  dechunk EMA (probability_smoothing)")
     sections.wrap(inner, "read_concepts", "  read_concepts")
     sections.wrap(model.lm_head, "forward", "lm_head")
     try:

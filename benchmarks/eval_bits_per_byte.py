@@ -60,9 +60,12 @@ import argparse
 import json
 import math
 import os
+import platform
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -201,6 +204,22 @@ def cell(values: list[float], digits: int = 3) -> str:
     """ "mean ± std" of the seeds' values."""
     mean, std = mean_std(values)
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def write_result(args: argparse.Namespace, **figures) -> dict:
+    """A reproduction's result record — the command line, its arguments, the Python and torch versions
+    and `figures` — written as JSON to `args.json` when given; returned either way."""
+    result = dict(
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        args=vars(args),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        **figures,
+    )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2, ensure_ascii=False)
+    return result
 
 
 def learning_rate_factor(step: int, steps: int) -> float:

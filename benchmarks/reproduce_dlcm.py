@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import platform
 import random
 import statistics
 import sys
@@ -404,16 +402,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"torch {torch.__version__}"
     )
     drawn = draw(runs, args.png) if args.png else False
-    result = dict(
-        command=" ".join([Path(sys.executable).name, *sys.argv]), args=vars(args), seeds=list(args.seeds),
-        python=platform.python_version(), torch=torch.__version__, wall_seconds=wall, runs=runs,
-        directions=verdict, heldout_tokens=data["heldout_tokens"], png=args.png if drawn else None,
-        paper=PAPER,
+    return runner.write_result(
+        args, seeds=list(args.seeds), wall_seconds=wall, runs=runs, directions=verdict,
+        heldout_tokens=data["heldout_tokens"], png=args.png if drawn else None, paper=PAPER,
     )  # fmt: skip
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=2, ensure_ascii=False)
-    return result
 
 
 if __name__ == "__main__":

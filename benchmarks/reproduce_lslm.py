@@ -47,8 +47,6 @@ cut at a line start; the models then train on the rest): the only data any tunin
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -436,16 +434,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())
     )
-    result = dict(
-        command=" ".join([Path(sys.executable).name, *sys.argv]), args=vars(args), split=split,
-        threads=args.threads, seeds=list(args.seeds), parameters=counts, gpt2_layers=gpt2_depth(args),
-        python=platform.python_version(), torch=torch.__version__, wall_seconds=wall, runs=runs,
-        directions=verdict, paper_table_1=PAPER_TABLE_1,
+    return runner.write_result(
+        args, split=split, threads=args.threads, seeds=list(args.seeds), parameters=counts,
+        gpt2_layers=gpt2_depth(args), wall_seconds=wall, runs=runs, directions=verdict,
+        paper_table_1=PAPER_TABLE_1,
     )  # fmt: skip
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=2, ensure_ascii=False)
-    return result
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_concept.cli import main
-from hf_concept.compute import conceptmoe_compute
+from hf_concept.compute import conceptmoe_compute, source_config_of
 from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
@@ -28,14 +28,8 @@ def test_fixed_chunking_at_ratio_one_costs_what_its_source_costs():
     assert source.attention_flops == 5 * 4 * 4 * 8 * 64
     # Parameters are the built models' own counts; the unused router (2 · 32²) is the only extra.
     assert report.parameters == ConceptMoEForCausalLM(config).num_parameters()
-    assert source.parameters == PlainDecoderForCausalLM(source_config(config)).num_parameters()
+    assert source.parameters == PlainDecoderForCausalLM(source_config_of(config)).num_parameters()
     assert report.parameters - source.parameters == 2 * 32 * 32
-
-
-def source_config(config):
-    from hf_concept.compute import source_config_of
-
-    return source_config_of(config)
 
 
 def test_each_reallocation_lever_moves_the_right_term():

@@ -286,9 +286,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_two_processes_share_the_global_ratio_statistics_and_end_identical(workspace, tmp_path):
-    """torchrun --nproc_per_node 2 (gloo, CPU) on a ConceptMoE with the global ratio loss."""
-    _conceptmoe_config(ratio_scope="global").save_pretrained(tmp_path / "config")
+def _train_two_processes(workspace, tmp_path, **config) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`hf-concept train` of a ConceptMoE under torchrun --nproc_per_node 2 (gloo, CPU): 2 steps of 2
+    micro-batches of 2 blocks of 48 tokens per rank, each rank's `RecordRanks` record loaded."""
+    _conceptmoe_config(**config).save_pretrained(tmp_path / "config")
     records = tmp_path / "ranks"
     records.mkdir()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
@@ -304,6 +305,12 @@ def test_two_processes_share_the_global_ratio_statistics_and_end_identical(works
     completed = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     ranks = [torch.load(records / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    return completed, ranks
+
+
+def test_two_processes_share_the_global_ratio_statistics_and_end_identical(workspace, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, CPU) on a ConceptMoE with the global ratio loss."""
+    completed, ranks = _train_two_processes(workspace, tmp_path, ratio_scope="global")
     assert [rank["world_size"] for rank in ranks] == [2, 2]
     assert completed.stdout.count("final train loss") == 1, "the summary must come from the main process only"
 
@@ -344,22 +351,7 @@ def test_two_processes_with_the_sequence_scope_add_the_micro_batch_shares(worksp
     """torchrun --nproc_per_node 2 with ratio_scope="sequence": each rank's micro-batch adds its share of
     the step's label tokens, so the logged ratio loss is the sum of the four shares and the loss is
     lm_loss + λ·aux_loss, the same on both ranks, with identical parameters at the end."""
-    _conceptmoe_config(ratio_scope="sequence").save_pretrained(tmp_path / "config")
-    records = tmp_path / "ranks"
-    records.mkdir()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
-    address = ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    command = [
-        *launcher, *address, "-m", "hf_concept.cli", "train", str(tmp_path / "config"),
-        "--data", str(workspace / "corpus.txt"), "--tokenizer", str(workspace / "tokenizer"),
-        "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--logging-steps", "1",
-        "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "2", "--block-size", "48",
-        "--save-steps", "0", "--callback", "tests.workers.train_worker:RecordRanks",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **{RECORD_DIR_ENV: str(records)})
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    ranks = [torch.load(records / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    _, ranks = _train_two_processes(workspace, tmp_path, ratio_scope="sequence")
     logs = [[entry for entry in rank["logs"] if "loss" in entry] for rank in ranks]
     assert logs[0] == logs[1] and len(logs[0]) == 2
     for step, entry in enumerate(logs[0]):

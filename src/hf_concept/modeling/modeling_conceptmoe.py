@@ -61,7 +61,7 @@ from .modeling_plain import init_backbone_weights
 from .packing import last_real_picker
 from .pooling import gather_concepts_to_tokens
 from .routing import straight_through
-from .scan import ema_scan
+from .smoothing import probability_smoothing
 
 
 class ZeroInitLinear(nn.Linear):
@@ -294,7 +294,10 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
             token_states, probs, opens, mask, starts, position_ids, documents, self.config.pooling, state
         )
         concepts = self.run_concept_model(emitted, cache)  # (B, C, D)
-        smoothed = self.continue_ema(concepts, emitted, state)  # (B, C, D)
+        # The dechunk EMA is DLCM's "ema" smoothing: one function continues both from the cached value.
+        smoothed = probability_smoothing(
+            concepts, emitted.probs, emitted.valid, state.last_ema, state.has_ema
+        )
         token_concepts, new_state = self.read_concepts(smoothed, emitted, mask, opens, state, keys, documents)
         return _Step(token_concepts, probs, opens, new_state)
 
@@ -316,19 +319,6 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
 
     def concept_layer_schedule(self) -> list[int]:
         return self.config.concept_layer_schedule()
-
-    def continue_ema(
-        self, concepts: torch.Tensor, emitted: EmittedConcepts, state: ConceptState
-    ) -> torch.Tensor:
-        """(B, C, D) EMA over the new concepts, starting from the row's last EMA value."""
-        if concepts.shape[1] == 0:
-            return concepts
-        # The cached value enters as a concept with p = 1, which reproduces it exactly.
-        states = torch.cat([state.last_ema[:, None].to(concepts.dtype), concepts], dim=1)  # (B, 1 + C, D)
-        ones = torch.ones_like(emitted.probs[:, :1])
-        probs = torch.cat([ones, emitted.probs], dim=1)
-        valid = torch.cat([state.has_ema[:, None], emitted.valid], dim=1)
-        return ema_scan(states, probs, valid)[:, 1:]
 
     def read_concepts(
         self,

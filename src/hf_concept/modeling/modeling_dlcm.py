@@ -462,7 +462,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         index = index.masked_fill(~mask, -1)  # (B, L)
         fresh = cache is None or (slots_before == 0 and not bool((state.read_slot >= 0).any()))
         num_slots = 1 + (cache.num_concept_slots if cache is not None else emitted.states.shape[1])
-        form = "counted" if not fresh else self.fresh_cross_attention_form(mask, num_slots, emitted.states)
+        form = "counted" if not fresh else self.fresh_cross_attention_form(mask, num_slots)
         # The log(count) bias in at least float32: a half-precision log would round long runs' weights.
         bias_dtype = torch.promote_types(emitted.states.dtype, torch.float32)
         if form == "replicated":
@@ -484,15 +484,13 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         bias, sees = log_count_bias(counts, bias_dtype)
         return ConceptReading(index, mask, starts, slot_bias=bias, sees=sees), state
 
-    def fresh_cross_attention_form(
-        self, mask: torch.Tensor, num_slots: int, concept_states: torch.Tensor
-    ) -> str:
+    def fresh_cross_attention_form(self, mask: torch.Tensor, num_slots: int) -> str:
         """The form of a call with nothing before it (training, a first prefill): the config's, or under
         "auto" the one measured faster on this device at this size (`replication.preferred_form`)."""
         form = self.config.cross_attention_form
         if form != "auto":
             return form
-        return preferred_form(concept_states.device, mask.shape[1], num_slots, torch.is_grad_enabled())
+        return preferred_form(mask.device, mask.shape[1], num_slots, torch.is_grad_enabled())
 
     def _remember_reads(
         self,

@@ -6,7 +6,8 @@ Legend: B batch, C concepts (new in this call), Dc concept width.
   boundary probability of concept m's opening token. A document's first concept opens at the document
   start, where p = 1, so the recurrence restarts per document. The output depends on the probabilities,
   so the LM loss reaches a learned router through it (and through the straight-through confidence the
-  decoder multiplies its cross-attention with, `routing.straight_through`).
+  decoder multiplies its cross-attention with, `routing.straight_through`). ConceptMoE's dechunk EMA
+  (its eq. 8) is the same recurrence and calls the same function.
 - "linear" (the form of checkpoints saved before the option existed): z̃_m = z_m + W_s z_{m−1} within a
   document, W_s zero at init. Nothing in it depends on the probabilities.
 
