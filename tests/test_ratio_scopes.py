@@ -23,10 +23,10 @@ TEXTS = ["bytes in, concepts out", "a tiny corpus of lines", "of four short line
 def build(family: str, seed: int = 0, **overrides):
     model_class, make_config = FAMILIES[family]
     torch.manual_seed(seed)
-    # The byte tokenizer's ids (pad 0, bos 1, eos 2) fit every family; no noise: a pass is deterministic.
-    config = make_config(
-        vocab_size=VOCAB_SIZE, max_position_embeddings=256, boundary_noise="none", **overrides
-    )
+    # The byte tokenizer's ids (pad 0, bos 1, eos 2) fit every family; no noise unless asked: a pass is
+    # then deterministic.
+    overrides = {"boundary_noise": "none", **overrides}
+    config = make_config(vocab_size=VOCAB_SIZE, max_position_embeddings=256, **overrides)
     return model_class()(config)
 
 
@@ -132,25 +132,34 @@ class _GradientsBeforeTheStep:
         raise AttributeError(name)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        router = [value for name, value in model.named_parameters() if "chunker" in name]
-        self.gradients.append(torch.cat([value.grad.flatten() for value in router]))
+        # The router's, or for the rule router (no parameters) the encoder's, which the ratio loss shapes.
+        names = [name for name, _ in model.named_parameters() if "chunker" in name] or [
+            name for name, _ in model.named_parameters() if "encoder" in name
+        ]
+        parameters = dict(model.named_parameters())
+        self.gradients.append(torch.cat([parameters[name].grad.flatten() for name in names]))
 
 
-# The global scope's earlier micro-batches use the running F of the step so far (routing.py: "the only
-# approximation"), so its split step is not yet the big batch's: the open part of issue 17, point 1.
-GLOBAL_SPLIT = pytest.param(
-    "ConceptTrainer",
-    "global",
-    marks=pytest.mark.xfail(strict=True, reason="running F in earlier micro-batches (issue 17, point 1)"),
-)
-SPLITS = [("Trainer", "sequence"), ("Trainer", "batch"), ("ConceptTrainer", "sequence"), GLOBAL_SPLIT]
+# (trainer, scope, family, config overrides). "bernoulli" noise samples the training decisions: the
+# planned global step must replay the very decisions it counted.
+SPLITS = [
+    ("Trainer", "sequence", "conceptmoe", {}),
+    ("Trainer", "batch", "conceptmoe", {}),
+    ("ConceptTrainer", "sequence", "conceptmoe", {}),
+    ("ConceptTrainer", "global", "conceptmoe", {}),
+    ("ConceptTrainer", "global", "conceptmoe", dict(boundary_noise="bernoulli")),
+    ("ConceptTrainer", "global", "dlcm", dict(boundary_noise="bernoulli")),
+    ("ConceptTrainer", "global", "dlcm", dict(router="rule")),
+]
 
 
-@pytest.mark.parametrize(("trainer_name", "scope"), SPLITS)
-def test_accumulation_four_equals_one_batch_four_times_as_large(trainer_name, scope, tmp_path):
+@pytest.mark.parametrize(("trainer_name", "scope", "family", "overrides"), SPLITS)
+def test_accumulation_four_equals_one_batch_four_times_as_large(
+    trainer_name, scope, family, overrides, tmp_path
+):
     """One optimizer step on 8 equal-length rows: 4 micro-batches of 2 against 1 batch of 8. Same loss and
     router gradients within 1e-5 where the scope's statistic does not depend on how the step is split
-    (per sequence; over the step with ConceptTrainer's running counts). The per-micro-batch "batch" scope
+    (per sequence; over the step with ConceptTrainer's planned step). The per-micro-batch "batch" scope
     is a different statistic when split, so its figures are compared for what they are: not equal."""
     trainer_class = {"Trainer": Trainer, "ConceptTrainer": ConceptTrainer}[trainer_name]
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (8, 24)).tolist()]
@@ -162,13 +171,47 @@ def test_accumulation_four_equals_one_batch_four_times_as_large(trainer_name, sc
             gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1e-3, max_grad_norm=0.0,
             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
         )  # fmt: skip
-        model = build("conceptmoe", ratio_scope=scope, compression_ratio=4.0)
+        model = build(family, ratio_scope=scope, compression_ratio=4.0, **overrides)
         trainer = trainer_class(model=model, args=args, train_dataset=rows, callbacks=[callback])
         trainer.train()
-        results.append((trainer.state.log_history[0]["loss"], callback.gradients[0]))
-    (big_loss, big_grad), (split_loss, split_grad) = results
+        results.append((trainer.state.log_history[0], callback.gradients[0]))
+    (big_log, big_grad), (split_log, split_grad) = results
     if scope == "batch":
         assert (big_grad - split_grad).abs().max() > 1e-5
         return
-    assert split_loss == pytest.approx(big_loss, abs=1e-5)
+    assert split_log["loss"] == pytest.approx(big_log["loss"], abs=1e-5)
+    if trainer_name == "ConceptTrainer":
+        assert split_log["aux_loss"] == pytest.approx(big_log["aux_loss"], abs=1e-5)
+    torch.testing.assert_close(split_grad, big_grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scope", ["sequence", "global"])
+def test_concept_sft_trainer_accumulation_four_equals_one_batch_four_times_as_large(scope, tmp_path):
+    """ConceptSFTTrainer on the four texts: 4 micro-batches of 1 against 1 batch of 4 (padded to its longest
+    text), the same loss, ratio loss and router gradients within 1e-5. Decisions are thresholded (no
+    noise): random draws over differently padded shapes are different draws."""
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl) — SFTTrainer not checked")
+    from datasets import Dataset
+
+    from hf_concept.training.sft import ConceptSFTTrainer
+
+    results = []
+    for batch, accumulation in ((4, 1), (1, 4)):
+        callback = _GradientsBeforeTheStep()
+        config = trl.SFTConfig(
+            output_dir=str(tmp_path / str(batch)), max_steps=1, per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation, learning_rate=1e-3, max_grad_norm=0.0,
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, max_length=64,
+            dataloader_num_workers=0, disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        trainer = ConceptSFTTrainer(
+            model=build("dlcm", ratio_scope=scope, compression_ratio=4.0),
+            args=config, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=ByteTokenizer(),
+            callbacks=[callback],
+        )  # fmt: skip
+        trainer.train()
+        results.append((trainer.state.log_history[0], callback.gradients[0]))
+    (big_log, big_grad), (split_log, split_grad) = results
+    assert split_log["loss"] == pytest.approx(big_log["loss"], abs=1e-5)
+    assert split_log["aux_loss"] == pytest.approx(big_log["aux_loss"], abs=1e-5)
     torch.testing.assert_close(split_grad, big_grad, atol=1e-5, rtol=1e-4)

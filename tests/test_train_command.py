@@ -318,6 +318,10 @@ def test_two_processes_share_the_global_ratio_statistics_and_end_identical(works
         first, second = (rank["steps"][step] for rank in ranks)
         # The step's boundary count, sum of p and token count, summed over both ranks' micro-batches.
         assert torch.equal(first["counts"], second["counts"]) and first["micro_batches"] == 2
+        # The step was planned before its first forward, and the plan counted what the forwards used.
+        assert torch.equal(first["planned"], first["counts"]) and torch.equal(
+            second["planned"], first["counts"]
+        )
         boundaries, _, tokens = first["counts"].tolist()
         local = [rank["micro_batches"][2 * step : 2 * step + 2] for rank in ranks]
         assert tokens == sum(batch["tokens"] for rank in local for batch in rank)
@@ -347,11 +351,12 @@ def test_two_processes_share_the_global_ratio_statistics_and_end_identical(works
         assert torch.equal(value, parameters[0][name]), name
 
 
-def test_two_processes_with_the_sequence_scope_add_the_micro_batch_shares(workspace, tmp_path):
-    """torchrun --nproc_per_node 2 with ratio_scope="sequence": each rank's micro-batch adds its share of
-    the step's label tokens, so the logged ratio loss is the sum of the four shares and the loss is
-    lm_loss + λ·aux_loss, the same on both ranks, with identical parameters at the end."""
-    _, ranks = _train_two_processes(workspace, tmp_path, ratio_scope="sequence")
+@pytest.mark.parametrize("scope", ["sequence", "batch"])
+def test_two_processes_with_a_local_scope_add_the_micro_batch_shares(workspace, tmp_path, scope):
+    """torchrun --nproc_per_node 2 with ratio_scope="sequence" or "batch": each rank's micro-batch adds its
+    share of the step's label tokens, so the logged ratio loss is the sum of the four shares and the loss
+    is lm_loss + λ·aux_loss, the same on both ranks, with identical parameters at the end."""
+    _, ranks = _train_two_processes(workspace, tmp_path, ratio_scope=scope)
     logs = [[entry for entry in rank["logs"] if "loss" in entry] for rank in ranks]
     assert logs[0] == logs[1] and len(logs[0]) == 2
     for step, entry in enumerate(logs[0]):

@@ -45,8 +45,13 @@ class RecordRanks(TrainerCallback):
         if accumulator is None:
             # Scopes other than "global" keep no step statistics.
             return
+        planned = accumulator.planned_counts
         self.steps.append(
-            {"counts": accumulator.running_counts.clone(), "micro_batches": accumulator.micro_batches_seen}
+            {
+                "counts": accumulator.running_counts.clone(),
+                "planned": None if planned is None else planned.clone(),
+                "micro_batches": accumulator.micro_batches_seen,
+            }
         )
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -29,6 +29,7 @@ from .concept_cache import ConceptCache, ConceptState
 from .forward_only_cache import adopt_cache
 from .modeling_plain import CausalLMMixin, PlainDecoderModel, default_position_ids
 from .packing import document_starts, token_mask
+from .ratio_step import RatioAccumulator
 from .routing import boundary_decisions, expected_boundaries, ratio_loss, rule_boundaries, scale_aux_loss
 
 
@@ -82,6 +83,8 @@ class ConceptStackMixin:
     """Shared methods of the concept-level models (see the module docstring)."""
 
     family_name = "this family"
+    # The step's `RatioAccumulator` (global ratio scope), set through the causal LM's `ratio_accumulator`.
+    ratio_accumulator = None
 
     def begin_step(
         self,
@@ -145,10 +148,16 @@ class ConceptStackMixin:
             return opens.to(torch.float32), opens, None
         past_keys = state.previous_key if config.router in ("cosine", "rule") else None
         probs, keys = self.chunker(token_states, starts, mask, past_keys=past_keys)
-        if config.router == "rule":
-            # DLCM §8.1: a fixed threshold on the dissimilarity, no sampling.
-            return probs, (rule_boundaries(probs, config.rule_threshold) | starts) & mask, keys
-        return probs, self.decide_boundaries(probs, starts, mask, self.training), keys
+
+        def draw() -> torch.Tensor:
+            if config.router == "rule":
+                # DLCM §8.1: a fixed threshold on the dissimilarity, no sampling.
+                return (rule_boundaries(probs, config.rule_threshold) | starts) & mask
+            return self.decide_boundaries(probs, starts, mask, self.training)
+
+        # A planned optimizer step (ratio_step.plan_ratio_step) replays the decisions it counted.
+        accumulator = self.ratio_accumulator if self.training else None
+        return probs, draw() if accumulator is None else accumulator.decide(probs, mask, draw), keys
 
     def decide_boundaries(
         self, probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, training: bool
@@ -271,7 +280,16 @@ class ConceptCausalLMMixin(CausalLMMixin):
     """
 
     output_class = ConceptCausalLMOutput
-    ratio_accumulator = None
+
+    @property
+    def ratio_accumulator(self) -> RatioAccumulator | None:
+        """The optimizer step's `RatioAccumulator` (global scope); the backbone reads it too, to replay a
+        planned step's boundary decisions (`ratio_step.plan_ratio_step`)."""
+        return self.model.ratio_accumulator
+
+    @ratio_accumulator.setter
+    def ratio_accumulator(self, accumulator: RatioAccumulator | None) -> None:
+        self.model.ratio_accumulator = accumulator
 
     def loss_and_fields(
         self, outputs: ConceptModelOutput, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict
@@ -346,6 +364,11 @@ class ConceptCausalLMMixin(CausalLMMixin):
                 "TRL), or set model.ratio_accumulator to a RatioAccumulator reset at every optimizer step, "
                 "or choose ratio_scope='batch' or 'sequence'"
             )
+        token_weights = None
+        if scope == "sequence":
+            # Token t carries the label at t (predicted from t − 1): a sequence weighs its label tokens.
+            token_weights = torch.zeros_like(probs)
+            token_weights[:, 1:] = (labels[..., 1:] != -100).to(probs.dtype)
         result = ratio_loss(
             probs,
             outputs.boundaries,
@@ -353,6 +376,7 @@ class ConceptCausalLMMixin(CausalLMMixin):
             target_ratio=self.config.compression_ratio,
             scope=scope,
             starts=outputs.document_starts,
+            token_weights=token_weights,
             # Evaluation batches are not micro-batches of an optimizer step: they never touch the accumulator.
             accumulator=self.ratio_accumulator if scope == "global" and self.training else None,
         )

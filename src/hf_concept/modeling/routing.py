@@ -28,9 +28,10 @@ that open a chunk (no gradient) and G their mean boundary probability (with grad
     slope(F) = R/(R−1)·(R·F − 1),   intercept(F) = R/(R−1)·(1 − F) − 1.
 
 L is 0 at F = G = 1/R. Scopes:
-- "sequence" (DLCM's "Normal" ablation): F, G and L for each sequence, then the mean over sequences
-  that have tokens. With `starts`, every packed document is a sequence, so a packed row gives the same
-  loss as its documents apart. This scope is local to the micro-batch.
+- "sequence" (DLCM's "Normal" ablation): F, G and L for each sequence, then their mean over sequences
+  weighted by tokens (the models weigh by label tokens, as the LM loss does, so accumulated
+  micro-batches add up to one big batch's loss). With `starts`, every packed document is a sequence,
+  so a packed row gives the same loss as its documents apart. This scope is local to the micro-batch.
 - "batch" (ConceptMoE): F and G over every real token of the micro-batch.
 - "global" (DLCM's Global Parser): F and G over every real token of the optimizer step, which covers all
   data-parallel ranks and all accumulated micro-batches.
@@ -57,10 +58,11 @@ What is exact and what is an approximation (global scope):
   single-process values on the concatenated batch, and the gradients summed over ranks equal its
   gradient.
 - Across accumulated micro-batches, the step's F is only known after the last micro-batch, but
-  micro-batch i runs backward before that. Micro-batch i uses the running F of micro-batches 1..i
-  (`RatioAccumulator`). The last micro-batch sees the step's exact F, and its `value` is the step's
-  loss. The gradient of an earlier micro-batch uses slope(F_i) instead of slope(F_step); this is the
-  only approximation, and it vanishes when the running F values coincide.
+  micro-batch i runs backward before that. With a planned step (`ratio_step.plan_ratio_step`, which
+  `ConceptTrainer` runs) every micro-batch uses the step's F and N from the start: k micro-batches give
+  the loss and the gradients of one batch k times as large. Without a plan, micro-batch i uses the
+  running F of micro-batches 1..i (`RatioAccumulator`); the last micro-batch sees the step's exact F,
+  and an earlier one's gradient uses slope(F_i) instead of slope(F_step).
 - The denominator N is exact when the step's token count is given (`RatioAccumulator.reset(
   step_token_count=...)`): the weights on G then sum to exactly 1, as in one big batch. Without it,
   N is estimated as running count · k / i, with k = `num_micro_batches`. The estimate is exact when the
@@ -74,10 +76,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from .packing import document_ids
+from .ratio_step import RatioAccumulator, all_reduce_sum
 
 NOISE_KINDS = ("bernoulli", "gaussian", "none")
 RATIO_LOSS_SCOPES = ("sequence", "batch", "global")
@@ -462,55 +464,6 @@ class RatioLossOutput:
     token_count: torch.Tensor
 
 
-class RatioAccumulator:
-    """Running boundary and token counts of one optimizer step, for the "global" ratio-loss scope.
-
-    Create it with the number of micro-batches per optimizer step (gradient accumulation steps) and call
-    `reset` at the start of every optimizer step. Pass `step_token_count` to `reset`, the real tokens of
-    the whole step over all ranks, to make the denominator exact. `Trainer` fetches a step's
-    micro-batches up front, so this count is known before the first forward. All counts here are
-    global, already summed over ranks.
-    """
-
-    def __init__(self, num_micro_batches: int) -> None:
-        if not (isinstance(num_micro_batches, int) and num_micro_batches >= 1):
-            raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
-        self.num_micro_batches = num_micro_batches
-        self.reset()
-
-    def reset(self, step_token_count: int | torch.Tensor | None = None) -> None:
-        """Start a new optimizer step."""
-        if isinstance(step_token_count, int) and step_token_count < 0:
-            raise ValueError(f"step_token_count must be >= 0, got {step_token_count}")
-        self.step_token_count = step_token_count
-        self.micro_batches_seen = 0
-        # float64 (boundaries, sum of p, tokens) over the micro-batches seen so far.
-        self.running_counts: torch.Tensor | None = None
-
-    def update(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add one micro-batch's global counts (3,); return the running counts and the denominator N."""
-        if self.micro_batches_seen >= self.num_micro_batches:
-            raise ValueError(
-                f"RatioAccumulator got more than num_micro_batches={self.num_micro_batches} micro-batches; "
-                "call reset() at the start of every optimizer step"
-            )
-        self.micro_batches_seen += 1
-        running = counts if self.running_counts is None else self.running_counts + counts
-        self.running_counts = running
-        if self.step_token_count is not None:
-            denominator = torch.as_tensor(self.step_token_count, dtype=counts.dtype, device=counts.device)
-        else:
-            denominator = running[2] * (self.num_micro_batches / self.micro_batches_seen)
-        return running, denominator
-
-
-def _all_reduce_sum(counts: torch.Tensor, process_group) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        counts = counts.clone()
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
-    return counts
-
-
 def _pooled_ratio_loss(
     probs: torch.Tensor,
     boundaries: torch.Tensor,
@@ -526,7 +479,7 @@ def _pooled_ratio_loss(
     counts = torch.stack([(boundaries & mask).sum(), local_tokens]).to(torch.float64)
     counts = torch.stack([counts[0], prob_sum.detach().to(torch.float64), counts[1]])
     if across_ranks:
-        counts = _all_reduce_sum(counts, process_group)
+        counts = all_reduce_sum(counts, process_group)
     denominator = counts[2]
     if accumulator is not None:
         counts, denominator = accumulator.update(counts)
@@ -554,8 +507,10 @@ def _sequence_ratio_loss(
     mask: torch.Tensor,
     starts: torch.Tensor | None,
     target_ratio: float,
+    token_weights: torch.Tensor | None,
 ) -> RatioLossOutput:
-    """The "sequence" scope: one loss per sequence (per document with `starts`), averaged."""
+    """The "sequence" scope: one loss per sequence (per document with `starts`), then their mean weighted
+    by each sequence's summed `token_weights` (default: its real tokens)."""
     batch_size, length = mask.shape
     documents = torch.zeros_like(mask, dtype=torch.long) if starts is None else document_ids(mask, starts)
     rows = torch.arange(batch_size, device=mask.device)[:, None]  # (B, 1)
@@ -570,18 +525,21 @@ def _sequence_ratio_loss(
     boundary_fractions = per_slot(boundaries.to(probs.dtype)) / token_counts.clamp_min(1)
     mean_probs = per_slot(torch.where(mask, probs, 0.0)) / token_counts.clamp_min(1)
     losses = ratio_loss_from_fractions(boundary_fractions, mean_probs, target_ratio)
-    has_tokens = token_counts > 0
-    sequence_count = has_tokens.sum().clamp_min(1)
+    # Weighted by tokens, a micro-batch's mean times its share of the step's tokens is its sequences'
+    # part of the step's mean: accumulated micro-batches add up to one big batch's figure.
+    sequence_weights = token_counts if token_weights is None else per_slot(token_weights.to(probs.dtype))
+    sequence_weights = torch.where(token_counts > 0, sequence_weights, 0.0)
+    total_weight = sequence_weights.sum()
 
-    def mean_over_sequences(values: torch.Tensor) -> torch.Tensor:
-        return torch.where(has_tokens, values, 0.0).sum() / sequence_count
+    def weighted_mean(values: torch.Tensor) -> torch.Tensor:
+        return (sequence_weights * values).sum() / total_weight.clamp_min(1e-12)
 
-    loss = mean_over_sequences(losses)
+    loss = weighted_mean(losses)
     return RatioLossOutput(
         loss=loss,
         value=loss.detach(),
-        boundary_fraction=mean_over_sequences(boundary_fractions),
-        mean_prob=mean_over_sequences(mean_probs.detach()),
+        boundary_fraction=weighted_mean(boundary_fractions),
+        mean_prob=weighted_mean(mean_probs.detach()),
         token_count=mask.sum(),
     )
 
@@ -596,6 +554,7 @@ def ratio_loss(
     starts: torch.Tensor | None = None,
     accumulator: RatioAccumulator | None = None,
     process_group=None,
+    token_weights: torch.Tensor | None = None,
 ) -> RatioLossOutput:
     """Ratio loss that steers the share of chunk-opening tokens towards 1/R (module docstring).
 
@@ -609,6 +568,9 @@ def ratio_loss(
         accumulator: "global" only: running counts over the micro-batches of one optimizer step.
         process_group: "global" only: the data-parallel group (default: the whole world, when
             torch.distributed is initialised).
+        token_weights: "sequence" only: (B, L) weight of each token; a sequence weighs the sum over its
+            real tokens in the mean over sequences (default: its real-token count). The models pass
+            their label tokens, as the LM loss counts them.
     """
     target_ratio = _check_target_ratio(target_ratio)
     if scope not in RATIO_LOSS_SCOPES:
@@ -620,9 +582,14 @@ def ratio_loss(
     _check_token_layout(probs.shape, starts, mask)
     if scope != "global" and (accumulator is not None or process_group is not None):
         raise ValueError(f"accumulator and process_group need scope='global', got scope={scope!r}")
+    if token_weights is not None and (scope != "sequence" or token_weights.shape != probs.shape):
+        raise ValueError(
+            f"token_weights need scope='sequence' and the probs' shape {tuple(probs.shape)}, got "
+            f"scope={scope!r} and shape {tuple(token_weights.shape)}"
+        )
     boundaries = boundaries.bool()
     if scope == "sequence":
-        return _sequence_ratio_loss(probs, boundaries, mask, starts, target_ratio)
+        return _sequence_ratio_loss(probs, boundaries, mask, starts, target_ratio, token_weights)
     across_ranks = scope == "global"
     return _pooled_ratio_loss(probs, boundaries, mask, target_ratio, across_ranks, accumulator, process_group)
 

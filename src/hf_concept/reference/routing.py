@@ -10,6 +10,8 @@ starts, p = 0 and b = 0 at pads, and vector norms floored at the input dtype's m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -199,11 +201,15 @@ def sequences_reference(
 
 
 def ratio_loss_reference(
-    sequences: list[tuple[torch.Tensor, list[bool]]], target_ratio: float, scope: str
+    sequences: list[tuple[torch.Tensor, list[bool]]],
+    target_ratio: float,
+    scope: str,
+    weights: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, F, G) over explicit sequences of real tokens.
 
-    "sequence": the mean over sequences of each sequence's loss (and of its F and G). "batch" and
+    "sequence": the mean over sequences of each sequence's loss (and of its F and G), weighted by
+    `weights` (default: each sequence's token count). "batch" and
     "global": F and G over every token of every sequence; for "global", pass the sequences of every
     rank and every micro-batch of the step.
     """
@@ -215,16 +221,22 @@ def ratio_loss_reference(
         return scale * (boundary_term + (1 - boundary_fraction) * (1 - mean_prob)) - 1
 
     if scope == "sequence":
+        if weights is None:
+            weights = [float(len(flags)) for _, flags in sequences]
         losses, fractions, means = [], [], []
         for probs, flags in sequences:
             fractions.append(sum(1.0 for flag in flags if flag) / len(flags))
             means.append(sum(probs[index] for index in range(len(flags))) / len(flags))
             losses.append(loss_of(fractions[-1], means[-1]))
-        count = len(losses)
+        total = sum(weights)
+
+        def weighted(values: list) -> Any:
+            return sum(weight * value for weight, value in zip(weights, values, strict=True)) / total
+
         return (
-            sum(losses) / count,
-            torch.tensor(sum(fractions) / count, dtype=torch.float64),
-            sum(means).detach() / count,
+            weighted(losses),
+            torch.tensor(weighted(fractions), dtype=torch.float64),
+            weighted(means).detach(),
         )
     token_count = sum(len(flags) for _, flags in sequences)
     boundary_count = sum(1.0 for _, flags in sequences for flag in flags if flag)

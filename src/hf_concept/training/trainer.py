@@ -22,7 +22,10 @@ Global ratio loss under gradient accumulation: a model with a `ratio_accumulator
 `config.ratio_scope == "global"` gets a `RatioAccumulator` reset at the start of every optimizer step,
 with the step's real-token count summed over all processes (Trainer fetches a step's micro-batches up
 front, so the count is known before the first forward). Without it every micro-batch would add a full
-share of its own loss, counting the aux term once per accumulation step.
+share of its own loss, counting the aux term once per accumulation step. The step is also planned
+(`ratio_step.plan_ratio_step`): each micro-batch's boundary decisions are drawn before the step's first
+forward and replayed by it, so every micro-batch uses the step's boundary fraction, and k accumulated
+micro-batches give the loss and gradients of one batch k times as large.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from hf_concept.modeling.routing import RatioAccumulator
+from hf_concept.modeling.ratio_step import RatioAccumulator, plan_ratio_step
 
 # Output fields merged into the training logs when a model returns them.
 METRIC_FIELDS = (
@@ -99,6 +102,12 @@ class ConceptTrainer(Trainer):
             accumulator = self.ratio_accumulator = RatioAccumulator(len(batch_samples))
         accumulator.reset(step_token_count=int(step_tokens))
         model.ratio_accumulator = accumulator
+        if getattr(model.config, "chunking", None) != "fixed":
+            # The step's boundary counts before its first forward: every micro-batch then uses the
+            # step's F, as one big batch would (ratio_step.py). Fixed chunking has no ratio loss.
+            # training_step sets train mode only after this; the plan must draw as training does.
+            model.train()
+            plan_ratio_step(model, [self._prepare_inputs(batch) for batch in batch_samples])
 
     def train(self, *args: Any, **kwargs: Any):
         try:
