@@ -182,6 +182,8 @@ def test_accumulation_four_equals_one_batch_four_times_as_large(
     assert split_log["loss"] == pytest.approx(big_log["loss"], abs=1e-5)
     if trainer_name == "ConceptTrainer":
         assert split_log["aux_loss"] == pytest.approx(big_log["aux_loss"], abs=1e-5)
+        # Tokens per concept of the step: its tokens over its concepts, however it is split.
+        assert split_log["compression_ratio"] == pytest.approx(big_log["compression_ratio"], rel=1e-5)
     torch.testing.assert_close(split_grad, big_grad, atol=1e-5, rtol=1e-4)
 
 

@@ -10,13 +10,15 @@ reporting integration. Each logged value is the global figure of the optimizer s
   and divided by the step's count over all micro-batches and ranks; the ratio loss likewise). They are
   summed over the step's micro-batches and ranks, then averaged over steps, so `lm_loss` matches `loss`
   whatever the accumulation steps and the number of processes.
-- every other field (realised compression, mean boundary probability, ...), and a share field of a model
-  that does not take `num_items_in_batch` (LSLM's per-batch means), is averaged over the micro-batches
-  of every rank.
+- the compression ratios (`RATIO_FIELDS`, tokens per concept) are all the span's real tokens over all
+  its concepts, on every rank;
+- every other field (mean boundary probability, ...), and a share field of a model that does not take
+  `num_items_in_batch` (LSLM's per-batch means), is averaged over the micro-batches of every rank.
 With several processes one all-reduce of a fixed-size table runs at each log, on every rank, so every
 rank logs the same values. Evaluation gets the per-batch fields with the evaluation prefix
-(`eval_compression_ratio`, `eval_lm_loss`, ...), averaged over the evaluation batches of all ranks; the
-ratio loss is left out there, since a global-scope aux value is a share of the ranks' joint batch.
+(`eval_compression_ratio`, `eval_lm_loss`, ...), over the evaluation batches of all ranks (ratios as
+above); the ratio loss is left out there, since a global-scope aux value is a share of the ranks' joint
+batch.
 
 Global ratio loss under gradient accumulation: a model with a `ratio_accumulator` attribute and
 `config.ratio_scope == "global"` gets a `RatioAccumulator` reset at the start of every optimizer step,
@@ -56,6 +58,9 @@ METRIC_FIELDS = (
 )
 # Fields that are micro-batch shares of the step's value when Trainer passes num_items_in_batch.
 SHARE_FIELDS = ("lm_loss", "aux_loss")
+# Tokens per concept: over several micro-batches, all their tokens over all their concepts (a mean of the
+# micro-batches' ratios would weigh a short micro-batch like a long one and lean towards the larger ratios).
+RATIO_FIELDS = ("compression_ratio", "inference_compression_ratio", "sampled_compression_ratio")
 EVAL_FIELDS = tuple(name for name in METRIC_FIELDS if name != "aux_loss")
 
 
@@ -131,13 +136,22 @@ class ConceptTrainer(Trainer):
                 if shares and name in share_fields:
                     weight = share_weight
                     self._share_fields.add(name)
-                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
-                self._metric_counts[name] = self._metric_counts.get(name, 0.0) + weight
+                self._add_metric(self._metric_sums, self._metric_counts, name, value, weight, inputs)
         else:
             for name, value in self._metric_values(outputs, EVAL_FIELDS).items():
-                self._eval_sums[name] = self._eval_sums.get(name, 0.0) + value
-                self._eval_counts[name] = self._eval_counts.get(name, 0.0) + 1.0
+                self._add_metric(self._eval_sums, self._eval_counts, name, value, 1.0, inputs)
         return (loss, outputs) if return_outputs else loss
+
+    @staticmethod
+    def _add_metric(sums: dict, counts: dict, name: str, value: float, weight: float, inputs: dict) -> None:
+        """Add one micro-batch's `value`: weighted by `weight`, or for a ratio field (`RATIO_FIELDS`) as its
+        tokens over its concepts, so that the logged figure is the span's tokens per concept."""
+        mask, input_ids = inputs.get("attention_mask"), inputs.get("input_ids")
+        if name in RATIO_FIELDS and value > 0 and (mask is not None or input_ids is not None):
+            tokens = float(mask.sum()) if mask is not None else float(input_ids.numel())
+            value, weight = tokens, tokens / value
+        sums[name] = sums.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0.0) + weight
 
     def model_loss(self, model, inputs, num_items_in_batch=None) -> tuple[torch.Tensor, Any]:
         """(loss, outputs): the loss the model computes itself (LM loss plus its ratio or KL term), as
