@@ -150,3 +150,37 @@ def test_streamer_and_text_generation_pipeline_use_the_cache():
     text = generator(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
     new_words = [f"w{token}" for token in streamed[0, input_ids.shape[1] :].tolist() if token > 2]
     assert text.split() == new_words
+
+
+FAMILY_MAKERS = {
+    "conceptmoe": ("_conceptmoe_class", "_conceptmoe_config"),
+    "dlcm": ("_dlcm_class", "_dlcm_config"),
+    "hidden_decoding": ("_hidden_decoding_class", "_hidden_decoding_config"),
+    "lslm": ("_lslm_class", "_lslm_config"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_MAKERS))
+@pytest.mark.parametrize("implementation", ["static", "offloaded"])
+def test_generate_with_a_cache_the_family_cannot_use_names_the_fix(family, implementation):
+    """generate(cache_implementation=...) hands the model a cache it cannot fill; replacing it would drop
+    what the user asked for (a static size, CPU offloading) without a word, so every family refuses it
+    and says what to do instead."""
+    from tests.conformance import families
+
+    model_class, make_config = (getattr(families, name) for name in FAMILY_MAKERS[family])
+    torch.manual_seed(0)
+    model = model_class()(make_config()).eval()
+    input_ids = torch.randint(3, 60, (1, 5), generator=torch.Generator().manual_seed(2))
+    kind = "StaticCache" if implementation == "static" else "offloaded DynamicCache"
+    with pytest.raises(ValueError, match=f"past_key_values of type {kind} is not supported") as error:
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2,
+                       cache_implementation=implementation)  # fmt: skip
+    assert "model.model.new_cache()" in str(error.value) and "without cache_implementation" in str(
+        error.value
+    )
+    # The default dynamic cache is replaced by the family's own.
+    assert model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2).shape == (
+        1,
+        7,
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache, StaticCache
+from transformers.cache_utils import Cache, DynamicCache
 
 
 class ForwardOnlyCache(Cache):
@@ -62,16 +62,22 @@ def adopt_cache(
     family: str,
 ) -> Cache | None:
     """The family's own cache: `past_key_values` if it is one; a new one for None (when `create`) or for
-    an empty foreign cache (generate's default `DynamicCache`); anything else refused by name."""
+    an empty plain `DynamicCache` (generate's default); anything else refused by name with the fix:
+    static, offloaded and quantized caches (`cache_implementation=...` in generate) included, since
+    replacing them would silently drop what the user asked of them."""
     if isinstance(past_key_values, own_type):
         return past_key_values
     if past_key_values is None:
         return new_cache() if create else None
-    own = own_type.__name__
-    if not isinstance(past_key_values, Cache) or isinstance(past_key_values, StaticCache):
+    own, kind = own_type.__name__, type(past_key_values).__name__
+    if getattr(past_key_values, "offloading", False):
+        kind = f"offloaded {kind}"
+    if type(past_key_values) is not DynamicCache or getattr(past_key_values, "offloading", False):
         raise ValueError(
-            f"past_key_values of type {type(past_key_values).__name__} is not supported: {family} decodes "
-            f"with a {own} (model.model.new_cache(), or leave it to generate())"
+            f"past_key_values of type {kind} is not supported: {family} decodes only with its own {own} "
+            "(it keeps per-row state beside the keys and values); pass past_key_values="
+            "model.model.new_cache(), or call generate() without cache_implementation (or with "
+            "cache_implementation='dynamic')"
         )
     if past_key_values.get_seq_length() > 0:
         raise ValueError(

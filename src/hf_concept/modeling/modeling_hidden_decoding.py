@@ -327,9 +327,10 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
         batch, _, length, _ = stream_states.shape
+        # The cache first: a static cache comes with a 4-D mask, and the cache is what needs fixing.
+        cache = self._stream_cache(past_key_values, use_cache)
         if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.dim() != 2):
             raise ValueError("attention_mask must be a 2-D (batch, tokens) tensor for Hidden Decoding")
-        cache = self._stream_cache(past_key_values, use_cache)
         if position_ids is None:
             past_length = cache.get_seq_length() if cache is not None else 0
             position_ids = default_position_ids(attention_mask, length, past_length, stream_states.device)
