@@ -120,7 +120,13 @@ def _add_hidden_decoding(targets: argparse._SubParsersAction) -> None:
         default=None,
         help="Window of local layers in expanded positions (default: the source's window x streams).",
     )
-    parser.add_argument("--intra-stream-positions", choices=("expanded", "token"), default="expanded")
+    parser.add_argument(
+        "--intra-stream-positions",
+        choices=("token", "expanded"),
+        default="token",
+        help="RoPE positions in intra layers: 'token' (default: as the source was trained) or the paper's "
+        "'expanded' (p*n + k), which a pretrained source has not seen and which raises its loss",
+    )
     parser.add_argument("--stream-kv", choices=("per_stream", "shared"), default="per_stream")
     _add_output_flags(parser)
     parser.set_defaults(convert=_convert_hidden_decoding)
