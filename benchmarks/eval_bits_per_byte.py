@@ -222,6 +222,20 @@ def write_result(args: argparse.Namespace, **figures) -> dict:
     return result
 
 
+def pyplot_or_none(path: str):
+    """matplotlib's pyplot on the Agg backend, or None, with a message naming the `plots` extra and the
+    picture `path` that will not be drawn, when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed (pip install 'hf_concept[plots]'): no {path}", flush=True)
+        return None
+    return plt
+
+
 def learning_rate_factor(step: int, steps: int) -> float:
     warmup = max(1, int(steps * WARMUP_FRACTION))
     if step < warmup:

@@ -333,13 +333,8 @@ def directions(runs: list[dict]) -> dict[str, bool]:
 
 def draw(runs: list[dict], path: str) -> bool:
     """Curves of the realised ratio over training per configuration (mean over seeds, min–max band)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed (pip install 'hf_concept[plots]'): no {path}", flush=True)
+    plt = runner.pyplot_or_none(path)
+    if plt is None:
         return False
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for axis, key in zip(axes, ("inference_ratio", "sampled_ratio"), strict=True):

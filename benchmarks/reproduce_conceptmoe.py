@@ -1,0 +1,564 @@
+"""ConceptMoE's ablations and CT conversion at toy scale (ConceptMoE §4.5.1–§4.5.4, §4.3): at R = 2 and
+matched compute, is dynamic chunking better than no chunking and fixed chunking worse; what do the
+cosine vs linear router, joint decoding and the aux weight λ change; is converting a pretrained MoE
+during continued training lossless?
+
+From scratch, each trained from the same seed on the very same batches (per seed):
+- "no-chunk": the plain MoE decoder (`PlainDecoderForCausalLM`, the source architecture);
+- "dynamic": ConceptMoE with `ConceptMoEConfig`'s defaults (cosine router, joint decoding on the last
+  decoder layers, λ = `aux_loss_weight` = 0.03, Global scope), R = 2;
+- "fixed": the same with fixed chunking (every R-th token opens a concept);
+- "linear-router", "no-joint" (`joint_decoding_layers=0`), "lambda-0.01", "lambda-0.1": "dynamic" with
+  one field changed.
+Every ConceptMoE gives its saved compute back as the paper does (§3.5 Strategy 1): the concept layers'
+top-k (`concept_num_experts_per_tok`) is the one whose matmul FLOPs per token come nearest the
+source's, computed by `hf_concept.compute.conceptmoe_compute` (the table printed first) for "dynamic" and
+"fixed"; the four ablations keep the dynamic model's top-k, so that each changes one field.
+
+CT conversion (§4.3), per seed: a `transformers` `MixtralForCausalLM` of the same shape is pretrained for
+`--pretrain-steps`, saved, converted with `convert_to_conceptmoe` (dynamic router, R = 1.5 and 2, top-k
+matched as above), and each converted model and the source itself continue for `--continue-steps` on the
+same new batches (peak lr `--continue-lr`). Held-out loss is read right after conversion and at the end.
+
+Architecture (`--width`, `--layers` encoder/concept/decoder; heads of width 16 with half as many KV
+heads; every layer a MoE of 8 experts of width `--width`, top-2, no load-balancing loss), the bundled
+BPE tokenizer (`hf_concept.data.bpe`, 3072 ids). Optimiser: AdamW, 10% warm-up then cosine to 10%, clip
+1.0; each step is `--batch-size` crops of `--context` tokens of one train document (drawn in proportion
+to its length) in `--accumulation` micro-batches, normalised as `Trainer` does (`num_items_in_batch`).
+Held-out: the corpus's `validation` split, never used for a choice, in non-overlapping windows of
+`--context` tokens: LM loss (nats per token) and the inference ratio (tokens per concept, thresholded
+router). No value was tuned: the paper's R and λ grid, the config defaults, the demo's lr and scale.
+Jobs run in `--workers` processes of `--threads` torch threads each. Mean ± sample std over the seeds;
+per-seed values and curves in `--json`; `--png` draws them (matplotlib, the `plots` extra). `--quick` is
+a smoke run (tiny model, a few steps, one seed).
+
+    python benchmarks/reproduce_conceptmoe.py [--seeds 0,1,2] [--steps 300] [--pretrain-steps 400]
+        [--continue-steps 200] [--width 64] [--layers 2,4,2] [--context 256] [--batch-size 16]
+        [--accumulation 2] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
+        [--json PATH] [--png PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import eval_bits_per_byte as runner
+import reproduce_dlcm
+
+from hf_concept.compute import conceptmoe_compute
+from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
+from hf_concept.modeling.configuration_plain import PlainDecoderConfig
+from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
+from hf_concept.modeling.routing import RatioAccumulator
+from hf_concept.utils import eval_mode
+
+TARGET_RATIO = 2.0
+CT_RATIOS = (1.5, 2.0)
+NUM_EXPERTS, TOP_K = 8, 2
+HEAD_WIDTH = 16
+# None: the plain MoE decoder; otherwise the ConceptMoEConfig fields that differ from the defaults.
+SCRATCH = {
+    "no-chunk": None,
+    "dynamic": {},
+    "fixed": dict(chunking="fixed"),
+    "linear-router": dict(router="linear"),
+    "no-joint": dict(joint_decoding_layers=0),
+    "lambda-0.01": dict(aux_loss_weight=0.01),
+    "lambda-0.1": dict(aux_loss_weight=0.1),
+}
+QUICK = dict(
+    seeds=(0,), steps=4, pretrain_steps=4, continue_steps=4, width=32, layers=(1, 1, 1), context=64,
+    batch_size=4, accumulation=2,
+)  # fmt: skip
+# Paper figures, for the report (ConceptMoE-A0.5B-12B, 243B tokens, R = 2): final training-loss gaps.
+PAPER = {
+    "dynamic - no-chunk (Fig. 8a)": -0.004,
+    "fixed - no-chunk (Fig. 8a)": 0.01,
+    "linear - cosine router (Fig. 9a)": -0.003,
+    "no joint - joint decoding (Fig. 9a)": -0.002,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=runner.seed_list, default=(0, 1, 2), help="comma-separated seeds")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each from-scratch run")
+    parser.add_argument("--pretrain-steps", type=int, default=400, help="steps of the CT source")
+    parser.add_argument("--continue-steps", type=int, default=200, help="continued-training steps in CT")
+    parser.add_argument("--width", type=int, default=64, help="hidden and expert width")
+    parser.add_argument(
+        "--layers", type=runner._layer_split, default=(2, 4, 2), help="encoder,concept,decoder"
+    )
+    parser.add_argument("--context", type=int, default=256, help="tokens per crop and held-out window")
+    parser.add_argument("--batch-size", type=int, default=16, help="crops per optimizer step")
+    parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak lr from scratch and in pretraining")
+    parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
+    parser.add_argument("--workers", type=int, default=2, help="processes running jobs side by side")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--json", default=None, help="write every per-seed figure and curve here")
+    parser.add_argument("--png", default=None, help="draw the curves here (needs matplotlib)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps, 1 seed")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for field, value in QUICK.items():
+            setattr(args, field, value)
+    counts = ("steps", "pretrain_steps", "continue_steps", "context", "batch_size", "accumulation")
+    for field in (*counts, "workers", "threads", "width"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
+    if args.batch_size % args.accumulation:
+        parser.error(f"--accumulation={args.accumulation} must divide --batch-size={args.batch_size}")
+    if args.width % (2 * HEAD_WIDTH):
+        parser.error(f"--width={args.width} must be a multiple of {2 * HEAD_WIDTH} (heads of 16, KV half)")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def backbone(args: argparse.Namespace, vocab_size: int, pad_id: int) -> dict:
+    """The plain MoE decoder's fields, shared by every model here."""
+    heads = args.width // HEAD_WIDTH
+    return dict(
+        vocab_size=vocab_size, hidden_size=args.width, intermediate_size=3 * args.width,
+        num_hidden_layers=sum(args.layers), num_attention_heads=heads, num_key_value_heads=heads // 2,
+        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=args.width,
+        max_position_embeddings=max(args.context, 64), tie_word_embeddings=False, pad_token_id=pad_id,
+    )  # fmt: skip
+
+
+def matched_top_k(fields: dict, context: int) -> tuple[int, float]:
+    """The concept layers' top-k whose matmul FLOPs per token come nearest the source's (§3.5 Strategy 1),
+    and that FLOPs ratio. Attention maps are left out, as the paper matches "excluding attention"."""
+    best = None
+    for top_k in range(fields["num_experts_per_tok"], fields["num_experts"] + 1):
+        report, source = conceptmoe_compute(
+            ConceptMoEConfig(**fields, concept_num_experts_per_tok=top_k), context
+        )
+        ratio = report.matmul_flops / source.matmul_flops
+        if best is None or abs(ratio - 1) < abs(best[1] - 1):
+            best = (top_k, ratio)
+    return best
+
+
+def conceptmoe_config(
+    args: argparse.Namespace, changes: dict, vocab_size: int, pad_id: int
+) -> ConceptMoEConfig:
+    fields = dict(
+        backbone(args, vocab_size, pad_id),
+        encoder_layers=args.layers[0],
+        decoder_layers=args.layers[2],
+        compression_ratio=TARGET_RATIO,
+        **changes,
+    )
+    # The ablations keep the dynamic model's top-k, so that each changes one thing; fixed chunking (no
+    # router to pay for) is matched on its own, as the paper matches each chunking strategy.
+    matched = {key: value for key, value in fields.items() if key not in changes or key == "chunking"}
+    top_k, _ = matched_top_k(matched, args.context)
+    return ConceptMoEConfig(**fields, concept_num_experts_per_tok=top_k)
+
+
+def build_scratch(args: argparse.Namespace, name: str, seed: int, vocab_size: int, pad_id: int):
+    changes = SCRATCH[name]
+    torch.manual_seed(seed)
+    if changes is None:
+        return PlainDecoderForCausalLM(PlainDecoderConfig(**backbone(args, vocab_size, pad_id)))
+    return ConceptMoEForCausalLM(conceptmoe_config(args, changes, vocab_size, pad_id))
+
+
+def compute_table(args: argparse.Namespace, vocab_size: int, pad_id: int) -> list[dict]:
+    """Per ConceptMoE configuration: concept top-k, parameters and FLOPs per token against the source."""
+    rows = []
+    for name, changes in SCRATCH.items():
+        if changes is None:
+            continue
+        config = conceptmoe_config(args, changes, vocab_size, pad_id)
+        report, source = conceptmoe_compute(config, args.context)
+        rows.append(
+            dict(
+                config=name,
+                concept_top_k=config.concept_top_k,
+                parameters=report.parameters / source.parameters,
+                active_parameters=report.active_parameters / source.active_parameters,
+                matmul_flops=report.matmul_flops / source.matmul_flops,
+                flops=report.flops / source.flops,
+            )
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def train(
+    model: torch.nn.Module, args: argparse.Namespace, seed: int, rows: list, steps: int, lr: float
+) -> list[dict]:
+    """`steps` optimizer steps on the seed's batches; one record per step: the loss, and for a ConceptMoE
+    the LM loss and both realised ratios of the step's tokens (sampled, and thresholded as inference)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: runner.learning_rate_factor(step, steps)
+    )
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    accumulator = RatioAccumulator(args.accumulation)
+    concept = isinstance(model, ConceptMoEForCausalLM)
+    if concept:
+        model.ratio_accumulator = accumulator if model.config.ratio_scope == "global" else None
+    model.train()
+    history = []
+    for _ in range(steps):
+        batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+        accumulator.reset(batch.numel())
+        items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
+        record = dict(loss=0.0, lm_loss=0.0, sampled_concepts=0.0, inference_concepts=0.0)
+        optimizer.zero_grad(set_to_none=True)
+        for micro in batch.chunk(args.accumulation):
+            output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
+            output.loss.backward()
+            record["loss"] += output.loss.item()
+            if concept:
+                # lm_loss is this micro-batch's share of the step's LM loss, like loss.
+                record["lm_loss"] += output.lm_loss.item()
+                record["sampled_concepts"] += micro.numel() / output.compression_ratio.item()
+                record["inference_concepts"] += micro.numel() / output.inference_compression_ratio.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        entry = dict(loss=record["loss"], lm_loss=record["lm_loss"] if concept else record["loss"])
+        if concept:
+            entry["sampled_ratio"] = batch.numel() / record["sampled_concepts"]
+            entry["inference_ratio"] = batch.numel() / record["inference_concepts"]
+        history.append(entry)
+    return history
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, documents: list, context: int) -> dict:
+    """Held-out LM loss (nats per token), and for a ConceptMoE the inference and expected-sampled ratios."""
+    nats = predicted = tokens = concepts = expected = 0.0
+    with eval_mode(model):
+        for _, window in reproduce_dlcm.heldout_windows(documents, context):
+            if len(window) < 2:
+                continue
+            output = model(input_ids=window[None], labels=window[None], use_cache=False)
+            lm_loss = getattr(output, "lm_loss", None)
+            nats += (output.loss if lm_loss is None else lm_loss).item() * (len(window) - 1)
+            predicted += len(window) - 1
+            tokens += len(window)
+            if isinstance(model, ConceptMoEForCausalLM):
+                concepts += len(window) / output.compression_ratio.item()
+                expected += len(window) / output.sampled_compression_ratio.item()
+    figures = dict(loss=nats / predicted)
+    if concepts:
+        figures.update(inference_ratio=tokens / concepts, sampled_ratio=tokens / expected)
+    return figures
+
+
+def final(history: list[dict], key: str) -> float:
+    """The mean of `key` over the last 5% of the steps."""
+    return reproduce_dlcm.at_fraction(history, key, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+
+_DATA: dict = {}
+
+
+def worker_data(args: argparse.Namespace) -> dict:
+    """The tokenized corpus, loaded once per process (workers are separate processes)."""
+    if "data" not in _DATA:
+        _DATA["data"] = reproduce_dlcm.load_data(args)
+    return _DATA["data"]
+
+
+def scratch_job(args: argparse.Namespace, name: str, seed: int) -> dict:
+    torch.set_num_threads(args.threads)
+    data = worker_data(args)
+    model = build_scratch(args, name, seed, data["vocab_size"], data["pad_id"])
+    start = time.perf_counter()
+    history = train(model, args, seed, data["rows"], args.steps, args.lr)
+    heldout = evaluate(model, data["heldout"], args.context)
+    seconds = time.perf_counter() - start
+    ratio = f", inference ratio {heldout['inference_ratio']:.2f}" if "inference_ratio" in heldout else ""
+    print(f"[seed {seed}] {name}: held-out loss {heldout['loss']:.4f}{ratio} ({seconds:.0f} s)", flush=True)
+    return dict(part="scratch", config=name, seed=seed, parameters=model.num_parameters(), heldout=heldout,
+                history=history, seconds=seconds)  # fmt: skip
+
+
+def mixtral_source(args: argparse.Namespace, seed: int, vocab_size: int, pad_id: int):
+    """A `transformers` Mixtral with the backbone's shape (the CT source)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    fields = backbone(args, vocab_size, pad_id)
+    config = MixtralConfig(
+        vocab_size=vocab_size, hidden_size=args.width, intermediate_size=fields["moe_intermediate_size"],
+        num_hidden_layers=fields["num_hidden_layers"], num_attention_heads=fields["num_attention_heads"],
+        num_key_value_heads=fields["num_key_value_heads"], num_local_experts=NUM_EXPERTS,
+        num_experts_per_tok=TOP_K, max_position_embeddings=fields["max_position_embeddings"],
+        tie_word_embeddings=False, pad_token_id=pad_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(config)
+
+
+def ct_job(args: argparse.Namespace, seed: int) -> dict:
+    """Pretrain the source, convert it at each CT ratio, continue every model on the same new batches."""
+    from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
+
+    torch.set_num_threads(args.threads)
+    data = worker_data(args)
+    start = time.perf_counter()
+    source = mixtral_source(args, seed, data["vocab_size"], data["pad_id"])
+    pretrain = train(source, args, seed, data["rows"], args.pretrain_steps, args.lr)
+    pretrained = evaluate(source, data["heldout"], args.context)
+    print(f"[seed {seed}] CT source pretrained: held-out loss {pretrained['loss']:.4f}", flush=True)
+    # Continued training draws batches the pretraining did not (another stream), the same for every model.
+    continue_seed = seed + 1000
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        source.save_pretrained(Path(folder) / "source")
+        for ratio in CT_RATIOS:
+            fields = dict(backbone(args, data["vocab_size"], data["pad_id"]), compression_ratio=ratio,
+                          encoder_layers=args.layers[0], decoder_layers=args.layers[2])  # fmt: skip
+            top_k, flops = matched_top_k(fields, args.context)
+            path = convert_to_conceptmoe(
+                Path(folder) / "source", Path(folder) / f"R{ratio:g}", encoder_layers=args.layers[0],
+                decoder_layers=args.layers[2], compression_ratio=ratio, experts_per_token=top_k, seed=seed,
+            )  # fmt: skip
+            model = ConceptMoEForCausalLM.from_pretrained(path, dtype=torch.float32)
+            converted = evaluate(model, data["heldout"], args.context)
+            history = train(model, args, continue_seed, data["rows"], args.continue_steps, args.continue_lr)
+            heldout = evaluate(model, data["heldout"], args.context)
+            print(
+                f"[seed {seed}] CT R={ratio:g} (top-{top_k}): converted {converted['loss']:.4f}, continued "
+                f"{heldout['loss']:.4f}, inference ratio {heldout['inference_ratio']:.2f}",
+                flush=True,
+            )
+            rows.append(
+                dict(name=f"converted R={ratio:g}", ratio=ratio, concept_top_k=top_k, matmul_flops=flops,
+                     converted=converted, heldout=heldout, history=history)
+            )  # fmt: skip
+    history = train(source, args, continue_seed, data["rows"], args.continue_steps, args.continue_lr)
+    heldout = evaluate(source, data["heldout"], args.context)
+    print(f"[seed {seed}] CT source continued: held-out loss {heldout['loss']:.4f}", flush=True)
+    rows.insert(0, dict(name="source continued", converted=pretrained, heldout=heldout, history=history))
+    seconds = time.perf_counter() - start
+    return dict(part="ct", seed=seed, pretrained=pretrained, pretrain=pretrain, models=rows, seconds=seconds)
+
+
+def run_jobs(args: argparse.Namespace) -> list[dict]:
+    """Every job, the longest (CT) first, in `args.workers` processes (in this one for a single worker)."""
+    jobs = [(ct_job, (args, seed)) for seed in args.seeds]
+    jobs += [(scratch_job, (args, name, seed)) for seed in args.seeds for name in SCRATCH]
+    if args.workers == 1:
+        return [function(*job_args) for function, job_args in jobs]
+    # spawn: a forked child would inherit the parent's torch thread pools.
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+        futures = [pool.submit(function, *job_args) for function, job_args in jobs]
+        return [future.result() for future in futures]
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def scratch_figures(runs: list[dict]) -> dict[str, dict[int, dict]]:
+    """config → seed → its figures: held-out loss and ratios, final training LM loss and ratio."""
+    table: dict[str, dict[int, dict]] = {}
+    for entry in runs:
+        if entry["part"] != "scratch":
+            continue
+        figures = dict(entry["heldout"], train_loss=final(entry["history"], "lm_loss"))
+        if "inference_ratio" in entry["history"][-1]:
+            figures["train_ratio"] = final(entry["history"], "inference_ratio")
+        table.setdefault(entry["config"], {})[entry["seed"]] = figures
+    return table
+
+
+def ct_figures(runs: list[dict]) -> dict[str, dict[int, dict]]:
+    """CT model name → seed → held-out loss after conversion and after continuing, and its ratios."""
+    table: dict[str, dict[int, dict]] = {}
+    for entry in runs:
+        if entry["part"] != "ct":
+            continue
+        for model in entry["models"]:
+            figures = dict(model["heldout"], converted_loss=model["converted"]["loss"])
+            table.setdefault(model["name"], {})[entry["seed"]] = figures
+    return table
+
+
+def values(table: dict[str, dict[int, dict]], name: str, key: str) -> list[float]:
+    return [figures[key] for _, figures in sorted(table[name].items())]
+
+
+def paired(table: dict[str, dict[int, dict]], name: str, baseline: str, key: str) -> list[float]:
+    """Per seed: `name`'s `key` minus `baseline`'s (same seed, same batches)."""
+    return [table[name][seed][key] - table[baseline][seed][key] for seed in sorted(table[name])]
+
+
+def signed(values_: list[float], digits: int = 4) -> str:
+    mean, std = runner.mean_std(values_)
+    return f"{mean:+.{digits}f} ± {std:.{digits}f}"
+
+
+def print_compute_table(rows: list[dict]) -> None:
+    print("\n[compute] per token against the plain MoE source (hf_concept.compute, context = --context)")
+    print(f"{'configuration':<16}{'concept top-k':>14}{'params':>10}{'active':>10}{'matmul FLOPs':>14}"
+          f"{'all FLOPs':>11}")  # fmt: skip
+    for row in rows:
+        figures = "".join(
+            f"{row[key]:>{width}.3f}"
+            for key, width in (
+                ("parameters", 10),
+                ("active_parameters", 10),
+                ("matmul_flops", 14),
+                ("flops", 11),
+            )
+        )
+        print(f"{row['config']:<16}{row['concept_top_k']:>14}{figures}")
+
+
+def print_scratch_table(table: dict[str, dict[int, dict]]) -> None:
+    print(f"\n[§4.5] from scratch, target R = {TARGET_RATIO:g}; Δ = paired difference against no-chunk")
+    print(f"{'configuration':<15}{'held-out loss':>18}{'Δ held-out':>20}{'train loss':>18}{'Δ train':>20}"
+          f"{'inference R':>14}{'sampled R':>14}{'train R (end)':>16}")  # fmt: skip
+    for name in table:
+        ratios = [
+            runner.cell(values(table, name, key), 2) if key in table[name][min(table[name])] else "—"
+            for key in ("inference_ratio", "sampled_ratio", "train_ratio")
+        ]
+        print(f"{name:<15}{runner.cell(values(table, name, 'loss'), 4):>18}"
+              f"{signed(paired(table, name, 'no-chunk', 'loss')):>20}"
+              f"{runner.cell(values(table, name, 'train_loss'), 4):>18}"
+              f"{signed(paired(table, name, 'no-chunk', 'train_loss')):>20}"
+              f"{ratios[0]:>14}{ratios[1]:>14}{ratios[2]:>16}")  # fmt: skip
+
+
+def print_ct_table(table: dict[str, dict[int, dict]]) -> None:
+    print("\n[§4.3] CT conversion; Δ = paired difference against the source continued for the same steps")
+    print(f"{'model':<18}{'right after conversion':>24}{'after continuing':>20}{'Δ':>20}{'inference R':>14}")
+    for name in table:
+        ratio = runner.cell(values(table, name, "inference_ratio"), 2) if name != "source continued" else "—"
+        print(f"{name:<18}{runner.cell(values(table, name, 'converted_loss'), 4):>24}"
+              f"{runner.cell(values(table, name, 'loss'), 4):>20}"
+              f"{signed(paired(table, name, 'source continued', 'loss')):>20}{ratio:>14}")  # fmt: skip
+
+
+def directions(scratch: dict, ct: dict) -> dict[str, bool]:
+    """The paper's directions, read off the seed means."""
+
+    def mean(table: dict, name: str, key: str) -> float:
+        return statistics.fmean(values(table, name, key))
+
+    lambdas = ("lambda-0.01", "dynamic", "lambda-0.1")
+    verdict = {
+        "dynamic < no-chunk (held-out loss)": mean(scratch, "dynamic", "loss")
+        < mean(scratch, "no-chunk", "loss"),
+        "no-chunk < fixed (held-out loss)": mean(scratch, "no-chunk", "loss")
+        < mean(scratch, "fixed", "loss"),
+        "linear router < cosine in training loss (Fig. 9a)": mean(scratch, "linear-router", "train_loss")
+        < mean(scratch, "dynamic", "train_loss"),
+        "no joint decoding < joint in training loss (Fig. 9a)": mean(scratch, "no-joint", "train_loss")
+        < mean(scratch, "dynamic", "train_loss"),
+        "training loss rises with λ (0.01 < 0.03 < 0.1)": mean(scratch, lambdas[0], "train_loss")
+        < mean(scratch, lambdas[1], "train_loss")
+        < mean(scratch, lambdas[2], "train_loss"),
+        "every λ realises R within ±10% (held-out inference ratio)": all(
+            abs(mean(scratch, name, "inference_ratio") / TARGET_RATIO - 1) <= 0.1 for name in lambdas
+        ),
+    }
+    for ratio in CT_RATIOS:
+        name = f"converted R={ratio:g}"
+        verdict[f"CT R={ratio:g} lossless (held-out within 1% of the source continued)"] = mean(
+            ct, name, "loss"
+        ) <= 1.01 * mean(ct, "source continued", "loss")
+    return verdict
+
+
+def mean_curve(runs: list[dict], config: str, key: str) -> list[float]:
+    """`key` over training, smoothed (reproduce_dlcm.smooth) and averaged over the seeds."""
+    curves = [reproduce_dlcm.smooth([step[key] for step in r["history"]]) for r in runs
+              if r["part"] == "scratch" and r["config"] == config]  # fmt: skip
+    return [statistics.fmean(column) for column in zip(*curves, strict=True)]
+
+
+def draw(runs: list[dict], path: str) -> bool:
+    """(a) training LM loss minus no-chunk's (Fig. 8a/9a style), (b) the inference ratio over training."""
+    plt = runner.pyplot_or_none(path)
+    if plt is None:
+        return False
+    figure, (loss_axis, ratio_axis) = plt.subplots(1, 2, figsize=(12, 4))
+    baseline = mean_curve(runs, "no-chunk", "lm_loss")
+    for name, changes in SCRATCH.items():
+        if changes is None:
+            continue
+        curve = mean_curve(runs, name, "lm_loss")
+        # The first 10% of the steps differ by whole nats: the plot starts after them.
+        start = len(curve) // 10
+        steps = range(start + 1, len(curve) + 1)
+        loss_axis.plot(
+            steps, [a - b for a, b in zip(curve[start:], baseline[start:], strict=True)], label=name
+        )
+        if name != "fixed":
+            ratio_axis.plot(range(1, len(curve) + 1), mean_curve(runs, name, "inference_ratio"), label=name)
+    loss_axis.axhline(0, color="grey", linewidth=1)
+    loss_axis.set_title("training LM loss − no-chunk (nats, mean of seeds)")
+    ratio_axis.axhline(TARGET_RATIO, color="grey", linestyle="--", linewidth=1)
+    ratio_axis.set_yscale("log", base=2)
+    ratio_axis.set_title("inference ratio on the training batches (tokens per concept)")
+    for axis in (loss_axis, ratio_axis):
+        axis.set_xlabel("optimizer step")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    data = worker_data(args)
+    compute = compute_table(args, data["vocab_size"], data["pad_id"])
+    print_compute_table(compute)
+    runs = run_jobs(args)
+    wall = time.perf_counter() - start
+    scratch, ct = scratch_figures(runs), ct_figures(runs)
+    print_compute_table(compute)
+    print_scratch_table(scratch)
+    print_ct_table(ct)
+    verdict = directions(scratch, ct)
+    print(
+        "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())
+    )
+    print(f"paper (final training-loss gaps, nats): {PAPER}")
+    print(
+        f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {args.workers} workers x {args.threads} "
+        f"torch threads, torch {torch.__version__}"
+    )
+    drawn = draw(runs, args.png) if args.png else False
+    return runner.write_result(
+        args, seeds=list(args.seeds), wall_seconds=wall, compute=compute, runs=runs, directions=verdict,
+        heldout_tokens=data["heldout_tokens"], png=args.png if drawn else None, paper=PAPER,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
