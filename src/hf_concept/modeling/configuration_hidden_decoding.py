@@ -13,6 +13,14 @@ fields (HD paper §2, DESIGN §4):
   5.484 to n = 4 gave 5.62 with expanded positions and 5.483 with token positions, issue 18).
 - `stream_kv`: "per_stream" (each stream keeps its own keys and values in intra layers) or "shared"
   (the §5.2 ablation: intra layers keep only the final stream's keys and values as context).
+- `stream_supervision` (the §5.1 / Table 5 objectives, all through the one shared final norm and LM head):
+  "final" (the paper's HD, eq. 2: the next-token loss and the logits come from each token's final
+  stream only; the default, and what a saved config without the field loads as), "all_streams" (the
+  "all-token loss" ablation: every stream of token i predicts token i + 1; the loss is the mean over the
+  n streams of each stream's usual per-label-token cross-entropy; the logits, and so generation, still
+  come from the final stream) or "sum" (the "sum" ablation, "summing their outputs before prediction":
+  the n streams' last-layer states are added *before* the final norm, and norm(sum) feeds the LM head
+  for the loss, the logits and generation alike).
 
 `check_fields` raises `ValueError` naming the field and the value.
 """
@@ -26,6 +34,7 @@ from .configuration_plain import MAX_COUNT, MAX_SIZE, PlainDecoderConfig, _is_in
 STREAM_ATTENTION_KINDS = ("intra", "local", "full")
 INTRA_STREAM_POSITIONS = ("expanded", "token")
 STREAM_KV_KINDS = ("per_stream", "shared")
+STREAM_SUPERVISION_KINDS = ("final", "all_streams", "sum")
 # The paper's default density of cross-stream layers (Appendix H: one cross-stream layer in four).
 DEFAULT_CROSS_EVERY = 4
 
@@ -70,6 +79,7 @@ class HiddenDecodingConfig(PlainDecoderConfig):
     stream_attention_layout: list[str] | None = None
     intra_stream_positions: str = "expanded"
     stream_kv: str = "per_stream"
+    stream_supervision: str = "final"
 
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.stream_attention_layout, tuple):
@@ -128,6 +138,10 @@ class HiddenDecodingConfig(PlainDecoderConfig):
             )
         if self.stream_kv not in STREAM_KV_KINDS:
             raise ValueError(f"stream_kv={self.stream_kv!r} must be one of {STREAM_KV_KINDS}")
+        if self.stream_supervision not in STREAM_SUPERVISION_KINDS:
+            raise ValueError(
+                f"stream_supervision={self.stream_supervision!r} must be one of {STREAM_SUPERVISION_KINDS}"
+            )
         if self.tie_word_embeddings and streams > 1:
             raise ValueError(
                 f"tie_word_embeddings=True cannot hold with num_streams={streams}: the n embedding tables "

@@ -5,7 +5,8 @@ H query heads, G key/value heads, K head dim.
 
 Pipeline: n embedding tables (one `nn.Embedding` of width S·D: row v = [E_1(v) | … | E_S(v)]) -> the
 expanded sequence, token i's stream k at expanded position i·S + k -> `DecoderLayer` x N, each with a
-stream attention kind -> final norm -> shared LM head on the final stream of each token.
+stream attention kind -> final norm -> shared LM head on the final stream of each token (or, with
+`stream_supervision="sum"`, on the norm of the sum of the token's S streams).
 
 Stream attention kinds (config `stream_attention_layout`):
 - "intra": each stream attends to earlier positions of its own stream (eq. 4). Run by folding the
@@ -17,7 +18,8 @@ Stream attention kinds (config `stream_attention_layout`):
 
 Contract:
 - Inputs and outputs are per token: input_ids (B, L), attention_mask (B, T + L), position_ids (B or 1, L),
-  labels (B, L), logits (B, L, V) from each token's final stream. Expansion is internal.
+  labels (B, L), logits (B, L, V) from each token's final stream (the streams' sum under "sum"
+  supervision). Expansion is internal.
 - Causality: stream k of token i reads only streams of tokens < i and streams < = k of token i (intra:
   only its own stream), all within its document (packed rows: position ids restart at 0), real tokens
   only (left padding through `attention_mask`).
@@ -59,6 +61,19 @@ def fold_streams(stream_states: torch.Tensor) -> torch.Tensor:
     """(B, S, L, D) -> (B·S, L, D): each stream becomes a row of the batch (a view when contiguous)."""
     batch, streams, length, width = stream_states.shape
     return stream_states.reshape(batch * streams, length, width)
+
+
+def head_input_states(stream_states: torch.Tensor, supervision: str) -> torch.Tensor:
+    """(B, S, L, D) last-layer states -> (B, L, D) the states the final norm and LM head read.
+
+    "final" and "all_streams": each token's final stream (eq. 2; "all_streams" adds its other streams in
+    the loss only). "sum" (§5.1, "summing their outputs before prediction"): the sum over the S streams,
+    taken before the final norm, so the prediction is head(norm(Σ_k h_k)) and the norm, not S, sets the
+    scale; with S = 1 it is the final stream exactly.
+    """
+    if supervision == "sum":
+        return stream_states.sum(dim=1)
+    return stream_states[:, -1]
 
 
 def stream_positions(position_ids: torch.Tensor, num_streams: int, kind: str) -> torch.Tensor:
@@ -179,8 +194,9 @@ class StreamPositions:
 
 @dataclass
 class HiddenDecodingModelOutput(MoeModelOutputWithPast):
-    """`last_hidden_state` (B, L, D) is the final stream of each token, normed; `stream_states`
-    (B, S, L, D) all streams, normed (only with `output_stream_states=True`)."""
+    """`last_hidden_state` (B, L, D) is what the LM head reads, normed: the final stream of each token (the
+    sum of its streams under "sum" supervision); `stream_states` (B, S, L, D) all streams, normed (only
+    with `output_stream_states=True`)."""
 
     stream_states: torch.Tensor | None = None
 
@@ -346,10 +362,11 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         keep_routers = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
-        final_states = self.norm(stream_states[:, -1])
-        all_states[-1] = final_states
+        # (B, L, D)
+        head_states = self.norm(head_input_states(stream_states, self.config.stream_supervision))
+        all_states[-1] = head_states
         output = HiddenDecodingModelOutput(
-            last_hidden_state=final_states,
+            last_hidden_state=head_states,
             past_key_values=cache,
             hidden_states=tuple(all_states) if keep_states else None,
             router_logits=tuple(all_router_logits) if keep_routers and all_router_logits else None,
@@ -399,11 +416,16 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
 
 
 class HiddenDecodingForCausalLM(CausalLMMixin, HiddenDecodingPreTrainedModel, GenerationMixin):
-    """Causal LM: (B, L) ids -> (B, L, V) next-token logits from each token's final stream.
+    """Causal LM: (B, L) ids -> (B, L, V) next-token logits from each token's final stream (from the sum
+    of its streams under "sum" supervision).
 
-    `labels` (B, L) are per token, as for any causal LM: the shifted cross-entropy (`self.loss_function`,
-    so Trainer's `num_items_in_batch` applies) is taken on the final streams only (HD eq. 2); the other
-    streams get no direct loss. `output_stream_states=True` also returns every stream's normed states.
+    `labels` (B, L) are per token, as for any causal LM, and the loss is the shifted cross-entropy
+    (`self.loss_function`, so Trainer's `num_items_in_batch` applies) of what `stream_supervision` says:
+    "final", the final streams only (HD eq. 2, the other streams get no direct loss); "sum", the head on
+    the streams' sum (the logits' own cross-entropy in both); "all_streams", the mean over streams of each
+    stream's cross-entropy (`all_streams_loss`). Under "all_streams" the loss is therefore not the logits'
+    cross-entropy: read held-out LM loss from the logits. `output_stream_states=True` also returns every
+    stream's normed states (always returned under "all_streams" with labels: the loss is taken on them).
     """
 
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -416,6 +438,63 @@ class HiddenDecodingForCausalLM(CausalLMMixin, HiddenDecodingPreTrainedModel, Ge
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_stream_states: bool = False,
+        **kwargs: Any,
+    ) -> HiddenDecodingCausalLMOutput | tuple:
+        """`CausalLMMixin.forward`, with every stream's states requested when the loss needs them."""
+        supervised_streams = labels is not None and self.config.stream_supervision == "all_streams"
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            output_stream_states=output_stream_states or supervised_streams,
+            **kwargs,
+        )
+
+    def loss_and_fields(
+        self,
+        outputs: HiddenDecodingModelOutput,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        kwargs: dict,
+    ) -> dict[str, Any]:
+        """The mixin's loss and fields; under "all_streams" the loss becomes `all_streams_loss`."""
+        fields = super().loss_and_fields(outputs, logits, labels, kwargs)
+        if labels is not None and self.config.stream_supervision == "all_streams":
+            fields["loss"] = self.all_streams_loss(fields["loss"], outputs.stream_states, labels, kwargs)
+        return fields
+
+    def all_streams_loss(
+        self, final_loss: torch.Tensor, stream_states: torch.Tensor, labels: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        """The "all-token loss" of §5.1: (1/S) Σ_k CE_k over the S streams, where CE_k is stream k's
+        shifted next-token cross-entropy through the shared norm and LM head, normalised as the plain loss
+        is (by the count of labels != -100, or by Trainer's `num_items_in_batch`), so the sum stays a
+        per-label-token quantity and S only averages. `stream_states` (B, S, L, D) are normed already;
+        `final_loss` is CE_S, the loss the mixin took on the logits (the final stream's head output)."""
+        streams = stream_states.shape[1]
+        total = final_loss
+        for stream in range(streams - 1):
+            # (B, L, V)
+            logits = self.scale_logits(self.lm_head(stream_states[:, stream]))
+            total = total + self.lm_loss(logits, labels, kwargs)
+        return total / streams
 
 
 HiddenDecodingModel.register_for_auto_class("AutoModel")

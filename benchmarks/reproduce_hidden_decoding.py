@@ -1,0 +1,593 @@
+"""Hidden Decoding's learning results at toy scale, all by continued training of one pretrained source:
+which supervision (HD §5.1, Table 5: final stream vs every stream vs the streams' sum), how many streams
+(§4.3 and §2.3: loss against n, progressive 1 → 2 → 4 against direct), how many full cross-stream layers
+(§4.4, Table 4: 1, some, all), and issue 18's RoPE choice in intra layers (token vs expanded positions).
+
+Per seed, a `transformers` `LlamaForCausalLM` (`--width`, `--layers`, heads of width 16 with half as many
+KV heads, MLPs 3× wide, untied head) is pretrained for `--pretrain-steps` on the bundled corpus's train
+split and saved. Then every arm continues from it for `--continue-steps` on the very same new batches
+(a continuation seed, seed + 1000, that the pretraining did not draw), peak lr `--continue-lr`:
+- "source continued": the Llama itself, not converted (n = 1: a converted n = 1 model computes the
+  source's logits exactly, so it is also §4.3's n = 1 row);
+- "HD (n=2)", "HD (n=3)", "HD (n=4)": `convert_to_hidden_decoding` with its defaults (one full
+  cross-stream layer in four, the rest intra; token RoPE positions in intra layers), final-stream loss;
+- "all-token loss (n=2)", "sum (n=2)": HD (n=2) with `stream_supervision` "all_streams" (every stream
+  predicts the next token; loss = mean over streams) and "sum" (norm(sum of the streams) is predicted);
+- "progressive 1→2→4": HD (n=2) for the first half of the steps, grown to n = 4 by cyclic replication
+  (`expand_hidden_decoding`, eq. 5) and continued for the second half on the remaining batches; each
+  phase has its own warm-up and cosine schedule (each factor converges before the next, Appendix G);
+- "HD (n=4), 1 full layer", "HD (n=4), all full": HD (n=4) with only the default layout's first full
+  layer kept (the others intra), and with every layer full; HD (n=4) itself is the "some" row;
+- "HD (n=4), expanded positions": HD (n=4) with `intra_stream_positions="expanded"` (p·n + k, the
+  paper's; issue 18 point 1).
+Held-out LM loss (nats per token, from the logits, i.e. the final stream's prediction, or the sum's) on
+the corpus's `validation` split in non-overlapping windows of `--context` tokens, right after conversion
+(the source's own loss for the source) and after continuing; the progressive arm also just before and
+after its expansion.
+
+Matched: initial backbone weights, batches and their order, tokens seen, optimizer (AdamW, weight decay
+0.01, clip 1.0), schedule (10% warm-up, cosine to 10%), steps and lr. Not matched, as in the paper: the
+compute per token (about n× the source's) and the embedding parameters (n tables); the progressive arm
+spends half its steps at n = 2, so less compute than direct n = 4. Optimiser state starts fresh at
+conversion and at expansion. No value was tuned, and nothing was chosen on held-out figures: the lrs are
+reproduce_conceptmoe's (the demo's scale), the layouts the converter's default and the paper's
+extremes. Mean ± sample std over the seeds, Δ = per-seed (paired) difference against the source
+continued. Jobs (a pretraining per seed, then one per arm and seed) run in `--workers` processes of
+`--threads` torch threads. Per-seed values and training curves in `--json`; `--png` draws the curves
+(matplotlib, the `plots` extra). `--quick` is a smoke run (tiny model, a few steps, one seed). The
+defaults take about 35 minutes with 2 workers of 1 thread on 2 cores (from per-step times measured at
+the default sizes: 0.20 s per source step, 5.05 s per step of all ten arms together).
+
+    python benchmarks/reproduce_hidden_decoding.py [--seeds 0,1,2] [--pretrain-steps 400]
+        [--continue-steps 250] [--width 64] [--layers 8] [--context 128] [--batch-size 16]
+        [--accumulation 1] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
+        [--json PATH] [--png PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import itertools
+import multiprocessing
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import eval_bits_per_byte as runner
+import reproduce_dlcm
+
+from hf_concept.conversion.hidden_decoding import compact_layout
+from hf_concept.modeling.configuration_hidden_decoding import default_stream_layout
+from hf_concept.utils import eval_mode
+
+HEAD_WIDTH = 16
+BASELINE = "source continued"
+CONTINUATION_SEED = 1000
+
+
+class Variant(NamedTuple):
+    """One continued-training arm: `num_streams` (1: the source itself, not converted), `layout` (a
+    `stream_layout` name), `supervision` (`stream_supervision`), `positions` (`intra_stream_positions`)
+    and `expand_to` (progressive expansion to that many streams halfway)."""
+
+    num_streams: int = 1
+    layout: str = "some"
+    supervision: str = "final"
+    positions: str = "token"
+    expand_to: int | None = None
+
+    @property
+    def cost(self) -> float:
+        """Rough steps' cost in source steps (the longest arms are queued first)."""
+        streams = (self.num_streams + self.expand_to) / 2 if self.expand_to else self.num_streams
+        return streams + (1 if self.layout == "all-full" else 0)
+
+
+VARIANTS = {
+    BASELINE: Variant(),
+    "all-token loss (n=2)": Variant(2, supervision="all_streams"),
+    "sum (n=2)": Variant(2, supervision="sum"),
+    "HD (n=2)": Variant(2),
+    "HD (n=3)": Variant(3),
+    "HD (n=4)": Variant(4),
+    "progressive 1→2→4": Variant(2, expand_to=4),
+    "HD (n=4), 1 full layer": Variant(4, layout="one-full"),
+    "HD (n=4), all full": Variant(4, layout="all-full"),
+    "HD (n=4), expanded positions": Variant(4, positions="expanded"),
+}
+# Table title -> (row label, arm) pairs; an arm may appear in several tables.
+TABLES = {
+    "[Table 5] supervision design (§5.1)": (
+        ("baseline (n=1)", BASELINE),
+        ("all-token loss (n=2)", "all-token loss (n=2)"),
+        ("sum (n=2)", "sum (n=2)"),
+        ("HD (n=2)", "HD (n=2)"),
+        ("HD (n=3)", "HD (n=3)"),
+    ),
+    "[§4.3] expansion factor, direct and progressive": (
+        ("n=1 (the source)", BASELINE),
+        ("n=2", "HD (n=2)"),
+        ("n=4 direct", "HD (n=4)"),
+        ("n=4 progressive 1→2→4", "progressive 1→2→4"),
+    ),
+    "[§4.4] full cross-stream layers at n=4 (the rest intra)": (
+        ("baseline (n=1)", BASELINE),
+        ("1 full", "HD (n=4), 1 full layer"),
+        ("some (default, 1 in 4)", "HD (n=4)"),
+        ("all full", "HD (n=4), all full"),
+    ),
+    "[issue 18.1] intra-layer RoPE positions at n=4": (
+        ("source", BASELINE),
+        ("token positions (p)", "HD (n=4)"),
+        ("expanded positions (p·n+k)", "HD (n=4), expanded positions"),
+    ),
+}
+QUICK = dict(
+    seeds=(0,), pretrain_steps=4, continue_steps=4, width=32, layers=8, context=32, batch_size=4,
+    accumulation=2,
+)  # fmt: skip
+# Paper figures, for the report. Table 5 (6B MoE): LM loss. Table 4 (21B MoE): mean benchmark gain over
+# the baseline. Table 13 (80B MoE, progressive): Pile-test bits per byte. Issue 18: held-out loss of a
+# toy source converted to n = 4 before training.
+PAPER = {
+    "Table 5 loss": {"baseline": 1.908, "all-token (n=2)": 1.880, "sum (n=2)": 1.877, "HD (n=2)": 1.874,
+                     "HD (n=3)": 1.857},
+    "Table 4 mean gain": {"1 full": 1.55, "4 of 27 full": 2.16, "all 27 full": 2.62},
+    "Table 13 Pile BPB": {"n=1": 0.386, "n=2": 0.387, "n=4": 0.382, "n=8": 0.378},
+    "issue 18 converted n=4 loss": {"source": 5.484, "expanded": 5.62, "token": 5.483},
+}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=runner.seed_list, default=(0, 1, 2), help="comma-separated seeds")
+    parser.add_argument("--pretrain-steps", type=int, default=400, help="steps of the Llama source")
+    parser.add_argument("--continue-steps", type=int, default=250, help="continued-training steps per arm")
+    parser.add_argument("--width", type=int, default=64, help="hidden width")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (at least 8: see §4.4)")
+    parser.add_argument("--context", type=int, default=128, help="tokens per crop and held-out window")
+    parser.add_argument("--batch-size", type=int, default=16, help="crops per optimizer step")
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak lr of the pretraining")
+    parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
+    parser.add_argument("--workers", type=int, default=2, help="processes running jobs side by side")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--json", default=None, help="write every per-seed figure and curve here")
+    parser.add_argument("--png", default=None, help="draw the curves here (needs matplotlib)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps, 1 seed")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for field, value in QUICK.items():
+            setattr(args, field, value)
+    counts = ("pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "workers")
+    for field in (*counts, "threads", "width"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
+    if args.continue_steps < 2:
+        parser.error(f"--continue-steps={args.continue_steps} must be >= 2 (progressive: two halves)")
+    if args.batch_size % args.accumulation:
+        parser.error(f"--accumulation={args.accumulation} must divide --batch-size={args.batch_size}")
+    if args.width % (2 * HEAD_WIDTH):
+        parser.error(f"--width={args.width} must be a multiple of {2 * HEAD_WIDTH} (heads of 16, KV half)")
+    # With fewer layers the default layout has a single full layer: "1 full" and "some" would coincide.
+    if args.layers < 8:
+        parser.error(f"--layers={args.layers} must be >= 8 for three distinct §4.4 layouts")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def stream_layout(name: str, layers: int) -> list[str]:
+    """The §4.4 layouts: "some" is the converter's default (a full layer every 4th, the rest intra),
+    "one-full" keeps only its first full layer (so 1 ⊂ some ⊂ all), "all-full" makes every layer full."""
+    default = default_stream_layout(layers)
+    if name == "some":
+        return default
+    if name == "one-full":
+        first = default.index("full")
+        return ["full" if index == first else "intra" for index in range(layers)]
+    if name == "all-full":
+        return ["full"] * layers
+    raise ValueError(f"layout={name!r} must be one of 'some', 'one-full', 'all-full'")
+
+
+def llama_source(args: argparse.Namespace, seed: int, vocab_size: int, pad_id: int):
+    """A `transformers` Llama of the run's shape, initialised from `seed`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = args.width // HEAD_WIDTH
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.width, intermediate_size=3 * args.width,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+        max_position_embeddings=args.context, tie_word_embeddings=False, pad_token_id=pad_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def convert_variant(args: argparse.Namespace, name: str, source: Path, folder: Path) -> torch.nn.Module:
+    """Arm `name` built from the saved source: the source itself for n = 1, else converted into `folder`
+    with the arm's layout and positions, and loaded with its supervision."""
+    from transformers import LlamaForCausalLM
+
+    from hf_concept.conversion import convert_to_hidden_decoding
+    from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+
+    variant = VARIANTS[name]
+    if variant.num_streams == 1:
+        return LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
+    path = convert_to_hidden_decoding(
+        source, folder, num_streams=variant.num_streams,
+        stream_attention_layout=stream_layout(variant.layout, args.layers),
+        intra_stream_positions=variant.positions,
+    )  # fmt: skip
+    return HiddenDecodingForCausalLM.from_pretrained(
+        path, dtype=torch.float32, stream_supervision=variant.supervision
+    )
+
+
+def expanded(model: torch.nn.Module, num_streams: int, folder: Path) -> torch.nn.Module:
+    """`model` grown to `num_streams` streams by cyclic replication (eq. 5), through a saved checkpoint."""
+    from hf_concept.conversion import expand_hidden_decoding
+    from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+
+    model.save_pretrained(folder / "before")
+    path = expand_hidden_decoding(folder / "before", folder / "after", num_streams=num_streams)
+    return HiddenDecodingForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def batches(args: argparse.Namespace, rows: list, seed: int, steps: int) -> list[torch.Tensor]:
+    """The `steps` batches (B, L) drawn from `seed`: every arm of a seed trains on the same list."""
+    rng = random.Random(seed)
+    return [runner.sample_batch(rows, args.batch_size, args.context, rng) for _ in range(steps)]
+
+
+def prediction_loss(logits: torch.Tensor, input_ids: torch.Tensor, items: torch.Tensor) -> float:
+    """The logits' shifted next-token cross-entropy summed and divided by `items` (a detached figure)."""
+    total = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float().detach(), input_ids[:, 1:].flatten(), reduction="sum"
+    )
+    return (total / items).item()
+
+
+def train(model: torch.nn.Module, steps: list[torch.Tensor], accumulation: int, lr: float) -> list[dict]:
+    """One AdamW step per batch of `steps`, in `accumulation` micro-batches normalised as `Trainer` does
+    (`num_items_in_batch`). Per step: the loss optimised and `lm_loss`, the prediction's own
+    cross-entropy (they differ only under all-stream supervision), and the step's seconds."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: runner.learning_rate_factor(step, len(steps))
+    )
+    all_streams = getattr(model.config, "stream_supervision", "final") == "all_streams"
+    model.train()
+    history = []
+    for batch in steps:
+        start = time.perf_counter()
+        items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
+        record = dict(loss=0.0, lm_loss=0.0)
+        optimizer.zero_grad(set_to_none=True)
+        for micro in batch.chunk(accumulation):
+            output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
+            output.loss.backward()
+            record["loss"] += output.loss.item()
+            if all_streams:
+                record["lm_loss"] += prediction_loss(output.logits, micro, items)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if not all_streams:
+            record["lm_loss"] = record["loss"]
+        history.append(dict(record, seconds=time.perf_counter() - start))
+    return history
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, documents: list, context: int) -> float:
+    """Held-out LM loss, nats per token, of the logits (whatever the training loss was)."""
+    nats = predicted = 0.0
+    with eval_mode(model):
+        for _, window in reproduce_dlcm.heldout_windows(documents, context):
+            if len(window) < 2:
+                continue
+            logits = model(input_ids=window[None], use_cache=False).logits  # (1, L, V)
+            nats += torch.nn.functional.cross_entropy(logits[0, :-1].float(), window[1:], reduction="sum")
+            predicted += len(window) - 1
+    return float(nats) / predicted
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+
+_DATA: dict = {}
+
+
+def worker_data(args: argparse.Namespace) -> dict:
+    """The tokenized corpus, loaded once per process (workers are separate processes)."""
+    if "data" not in _DATA:
+        _DATA["data"] = reproduce_dlcm.load_data(args)
+    return _DATA["data"]
+
+
+def source_path(folder: str, seed: int) -> Path:
+    return Path(folder) / f"seed{seed}" / "source"
+
+
+def pretrain_job(args: argparse.Namespace, seed: int, folder: str) -> dict:
+    """Pretrain the seed's Llama source and save it under `folder` for the arms."""
+    torch.set_num_threads(args.threads)
+    data = worker_data(args)
+    start = time.perf_counter()
+    source = llama_source(args, seed, data["vocab_size"], data["pad_id"])
+    history = train(
+        source, batches(args, data["rows"], seed, args.pretrain_steps), args.accumulation, args.lr
+    )
+    loss = evaluate(source, data["heldout"], args.context)
+    source.save_pretrained(source_path(folder, seed))
+    seconds = time.perf_counter() - start
+    print(f"[seed {seed}] source pretrained: held-out loss {loss:.4f} ({seconds:.0f} s)", flush=True)
+    return dict(part="pretrain", seed=seed, pretrained=loss, history=history, seconds=seconds,
+                parameters=source.num_parameters())  # fmt: skip
+
+
+def variant_job(args: argparse.Namespace, name: str, seed: int, folder: str) -> dict:
+    """Convert the seed's source into arm `name`, evaluate, continue on the continuation batches, evaluate."""
+    torch.set_num_threads(args.threads)
+    data = worker_data(args)
+    variant = VARIANTS[name]
+    start = time.perf_counter()
+    steps = batches(args, data["rows"], seed + CONTINUATION_SEED, args.continue_steps)
+    torch.manual_seed(seed + CONTINUATION_SEED)
+    result = dict(part="variant", name=name, seed=seed)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        model = convert_variant(args, name, source_path(folder, seed), Path(scratch) / "converted")
+        result.update(
+            converted=evaluate(model, data["heldout"], args.context), parameters=model.num_parameters()
+        )
+        if variant.expand_to is None:
+            history = train(model, steps, args.accumulation, args.continue_lr)
+        else:
+            half = len(steps) // 2
+            history = train(model, steps[:half], args.accumulation, args.continue_lr)
+            result["before_expansion"] = evaluate(model, data["heldout"], args.context)
+            model = expanded(model, variant.expand_to, Path(scratch))
+            result["after_expansion"] = evaluate(model, data["heldout"], args.context)
+            history += train(model, steps[half:], args.accumulation, args.continue_lr)
+        result.update(heldout=evaluate(model, data["heldout"], args.context), history=history)
+    result["seconds"] = time.perf_counter() - start
+    layout = compact_layout(model.config.stream_attention_layout) if variant.num_streams > 1 else "-"
+    print(f"[seed {seed}] {name} [{layout}]: converted {result['converted']:.4f}, continued "
+          f"{result['heldout']:.4f} ({result['seconds']:.0f} s)", flush=True)  # fmt: skip
+    return result
+
+
+Job = tuple[Callable[..., dict], tuple]
+
+
+def run_dependent_jobs(jobs: list[Job], follow_ups: Callable[[dict], list[Job]], workers: int) -> list[dict]:
+    """Results of `jobs` and of the jobs `follow_ups(result)` names as each result arrives (queued behind
+    what is already queued), in `workers` spawned processes, or in this one for a single worker.
+
+    reproduce_conceptmoe's `run_jobs` runs a fixed list; here a seed's arms wait for its source."""
+    if workers == 1:
+        queue, results = list(jobs), []
+        while queue:
+            function, arguments = queue.pop(0)
+            results.append(function(*arguments))
+            queue += follow_ups(results[-1])
+        return results
+    # spawn: a forked child would inherit the parent's torch thread pools.
+    context = multiprocessing.get_context("spawn")
+    results = []
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pending = {pool.submit(function, *arguments) for function, arguments in jobs}
+        while pending:
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                results.append(future.result())
+                pending |= {
+                    pool.submit(function, *arguments) for function, arguments in follow_ups(results[-1])
+                }
+    return results
+
+
+def run_jobs(args: argparse.Namespace, folder: str) -> list[dict]:
+    """Every seed's pretraining, then its arms, the costliest first."""
+    order = sorted(VARIANTS, key=lambda name: -VARIANTS[name].cost)
+
+    def arms(result: dict) -> list[Job]:
+        if result["part"] != "pretrain":
+            return []
+        return [(variant_job, (args, name, result["seed"], folder)) for name in order]
+
+    return run_dependent_jobs(
+        [(pretrain_job, (args, seed, folder)) for seed in args.seeds], arms, args.workers
+    )
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def figures(runs: list[dict]) -> dict[str, dict[int, dict]]:
+    """Arm -> seed -> held-out loss after conversion ("converted") and after continuing ("loss")."""
+    table: dict[str, dict[int, dict]] = {}
+    for run in runs:
+        if run["part"] == "variant":
+            table.setdefault(run["name"], {})[run["seed"]] = dict(
+                converted=run["converted"], loss=run["heldout"]
+            )
+    return table
+
+
+def values(table: dict, name: str, key: str) -> list[float]:
+    return [entry[key] for _, entry in sorted(table[name].items())]
+
+
+def paired(table: dict, name: str, baseline: str, key: str = "loss") -> list[float]:
+    """Per seed: `name`'s `key` minus `baseline`'s (same seed, same source, same batches)."""
+    return [table[name][seed][key] - table[baseline][seed][key] for seed in sorted(table[name])]
+
+
+def signed(differences: list[float], digits: int = 4) -> str:
+    mean, std = runner.mean_std(differences)
+    return f"{mean:+.{digits}f} ± {std:.{digits}f}"
+
+
+def print_table(title: str, rows: tuple, table: dict) -> None:
+    print(f"\n{title}; Δ = paired difference against the source continued (same seed, same batches)")
+    print(f"{'arm':<28}{'right after conversion':>24}{'after continuing':>20}{'Δ':>20}")
+    for label, name in rows:
+        converted, continued = (runner.cell(values(table, name, key), 4) for key in ("converted", "loss"))
+        print(f"{label:<28}{converted:>24}{continued:>20}{signed(paired(table, name, BASELINE)):>20}")
+
+
+def print_progressive(runs: list[dict]) -> None:
+    """The progressive arm's held-out loss around its expansion (eq. 5 should start near the n = 2 model)."""
+    arms = [run for run in runs if run["part"] == "variant" and "before_expansion" in run]
+    if arms:
+        before = [run["before_expansion"] for run in arms]
+        after = [run["after_expansion"] for run in arms]
+        print(f"progressive 1→2→4 at its expansion: n=2 after half the steps {runner.cell(before, 4)}, "
+              f"right after growing to n=4 {runner.cell(after, 4)}")  # fmt: skip
+
+
+def below(table: dict, pairs: list[tuple[str, str]], key: str = "loss") -> dict:
+    """`holds`: in every (lower, higher) pair the seed mean of the paired difference of `key` is below 0.
+    `within_spread`: some pair's mean difference is no larger than its seeds' sample std, "no difference
+    at this scale" (REPRODUCING rule 3)."""
+    holds, within = True, False
+    for lower, higher in pairs:
+        mean, std = runner.mean_std(paired(table, lower, higher, key))
+        holds = holds and mean < 0
+        within = within or abs(mean) <= std
+    return dict(holds=holds, within_spread=within)
+
+
+def directions(table: dict) -> dict[str, dict]:
+    """The paper's directions on the held-out loss after continuing (issue 18's also after conversion)."""
+    hd2, hd4, expanded_positions = "HD (n=2)", "HD (n=4)", "HD (n=4), expanded positions"
+    one_full, all_full = "HD (n=4), 1 full layer", "HD (n=4), all full"
+    table_5 = ["HD (n=3)", hd2, "sum (n=2)", "all-token loss (n=2)", BASELINE]
+    verdict = {
+        "Table 5: HD(3) < HD(2) < sum < all-token < baseline": below(
+            table, list(itertools.pairwise(table_5))
+        ),
+        "Table 5: every n=2 arm < baseline": below(table, [(name, BASELINE) for name in table_5[1:4]]),
+        "§4.3: loss falls with n (n=4 < n=2 < n=1)": below(table, [(hd4, hd2), (hd2, BASELINE)]),
+        "§2.3: progressive 1→2→4 < direct n=4": below(table, [("progressive 1→2→4", hd4)]),
+        "§4.4: 1 full layer < baseline": below(table, [(one_full, BASELINE)]),
+        "§4.4: all full < some < 1 full": below(table, [(all_full, hd4), (hd4, one_full)]),
+        "issue 18: token < expanded positions, right after conversion": below(
+            table, [(hd4, expanded_positions)], "converted"
+        ),
+        "issue 18: token < expanded positions, after continuing": below(table, [(hd4, expanded_positions)]),
+    }
+    some_gain = -statistics.fmean(paired(table, hd4, BASELINE))
+    all_gain = -statistics.fmean(paired(table, all_full, BASELINE))
+    # A ratio of two gains: no paired spread to compare it with.
+    verdict["§4.4: some keeps most (> half) of all-full's gain over the baseline"] = dict(
+        holds=all_gain > 0 and some_gain > all_gain / 2, within_spread=False
+    )
+    return verdict
+
+
+def mean_curve(runs: list[dict], name: str) -> list[float]:
+    """The prediction's training loss over continued training, smoothed and averaged over the seeds."""
+    curves = [reproduce_dlcm.smooth([step["lm_loss"] for step in run["history"]]) for run in runs
+              if run["part"] == "variant" and run["name"] == name]  # fmt: skip
+    return [statistics.fmean(column) for column in zip(*curves, strict=True)]
+
+
+def draw(runs: list[dict], path: str) -> bool:
+    """One panel per table: each arm's training LM loss minus the source continued's, over the steps."""
+    plt = runner.pyplot_or_none(path)
+    if plt is None:
+        return False
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    baseline = mean_curve(runs, BASELINE)
+    # The first 10% of the steps (warm-up after conversion) differ by whole nats: the plot starts after.
+    start = len(baseline) // 10
+    for axis, (title, rows) in zip(axes.flat, TABLES.items(), strict=True):
+        for label, name in rows:
+            curve = mean_curve(runs, name)
+            steps = range(start + 1, len(curve) + 1)
+            axis.plot(
+                steps, [a - b for a, b in zip(curve[start:], baseline[start:], strict=True)], label=label
+            )
+        axis.axhline(0, color="grey", linewidth=1)
+        axis.set_title(title, fontsize=9)
+        axis.set_xlabel("continued-training step")
+        axis.set_ylabel("training LM loss − source continued (nats)")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def print_report(args: argparse.Namespace, runs: list[dict], wall: float) -> dict:
+    """Print the source line, every table, the progressive arm's expansion and the directions; returns
+    the directions."""
+    table = figures(runs)
+    pretrained = [run["pretrained"] for run in runs if run["part"] == "pretrain"]
+    print(f"\nsource: Llama, width {args.width}, {args.layers} layers, {args.pretrain_steps} steps; held-out "
+          f"loss {runner.cell(pretrained, 4)}; every arm continued {args.continue_steps} steps")  # fmt: skip
+    for title, rows in TABLES.items():
+        print_table(title, rows, table)
+    print_progressive(runs)
+    verdict = directions(table)
+    answers = {
+        key: ("yes" if value["holds"] else "no") + (" (within the spread)" if value["within_spread"] else "")
+        for key, value in verdict.items()
+    }
+    print("\n[directions] " + "; ".join(f"{key}: {answer}" for key, answer in answers.items()))
+    print(f"paper: {PAPER}")
+    print(
+        f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {args.workers} workers x {args.threads} "
+        f"torch threads, torch {torch.__version__}"
+    )
+    return verdict
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    data = worker_data(args)
+    with tempfile.TemporaryDirectory() as folder:
+        runs = run_jobs(args, folder)
+    wall = time.perf_counter() - start
+    runs.sort(
+        key=lambda run: (
+            run["part"] != "pretrain",
+            run["seed"],
+            list(VARIANTS).index(run.get("name", BASELINE)),
+        )
+    )
+    verdict = print_report(args, runs, wall)
+    drawn = draw(runs, args.png) if args.png else False
+    layouts = {
+        name: compact_layout(stream_layout(variant.layout, args.layers)) if variant.num_streams > 1 else "-"
+        for name, variant in VARIANTS.items()
+    }
+    return runner.write_result(
+        args, seeds=list(args.seeds), wall_seconds=wall, runs=runs, directions=verdict, layouts=layouts,
+        heldout_tokens=data["heldout_tokens"], png=args.png if drawn else None, paper=PAPER,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Keeps benchmarks/reproduce_hidden_decoding.py from rotting: every arm is built, through the real
+conversion and expansion, with the streams, supervision, positions and layout the paper's ablation
+describes; `--quick` (one seed, a few steps, two workers) runs every arm and prints every table with
+finite figures and a JSON record of every run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_hidden_decoding.py"
+TITLES = ("[Table 5]", "[§4.3]", "[§4.4]", "[issue 18.1]", "[directions]", "total wall time")
+
+
+def load_script():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("reproduce_hidden_decoding", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_arm_is_converted_as_the_paper_describes(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    script = load_script()
+    args = script.parse_args(["--width", "32", "--context", "16"])
+    assert args.layers == 8
+    script.llama_source(args, 0, 50, 0).save_pretrained(tmp_path / "source")
+    expected = {
+        "all-token loss (n=2)": (2, "all_streams", "token", "iiifiiif"),
+        "sum (n=2)": (2, "sum", "token", "iiifiiif"),
+        "HD (n=2)": (2, "final", "token", "iiifiiif"),
+        "HD (n=3)": (3, "final", "token", "iiifiiif"),
+        "HD (n=4)": (4, "final", "token", "iiifiiif"),
+        "progressive 1→2→4": (2, "final", "token", "iiifiiif"),
+        "HD (n=4), 1 full layer": (4, "final", "token", "iiifiiii"),
+        "HD (n=4), all full": (4, "final", "token", "ffffffff"),
+        "HD (n=4), expanded positions": (4, "final", "expanded", "iiifiiif"),
+    }
+    assert set(expected) | {script.BASELINE} == set(script.VARIANTS)
+
+    def convert(name: str):
+        folder = tmp_path / f"arm{list(script.VARIANTS).index(name)}"
+        return script.convert_variant(args, name, tmp_path / "source", folder)
+
+    assert isinstance(convert(script.BASELINE), LlamaForCausalLM)
+    for name, (streams, supervision, positions, layout) in expected.items():
+        config = convert(name).config
+        settings = (config.num_streams, config.stream_supervision, config.intra_stream_positions)
+        assert settings == (streams, supervision, positions), name
+        assert "".join(kind[0] for kind in config.stream_attention_layout) == layout, name
+    # Progressive expansion grows n = 2 to 4 by cyclic replication (E_1, E_2, E_1, E_2), the rest kept.
+    assert script.VARIANTS["progressive 1→2→4"].expand_to == 4
+    two = script.convert_variant(args, "HD (n=2)", tmp_path / "source", tmp_path / "two")
+    grown = script.expanded(two, 4, tmp_path / "grow")
+    assert grown.config.num_streams == 4 and grown.config.stream_supervision == "final"
+    assert torch.equal(grown.model.embed_tokens.weight, two.model.embed_tokens.weight.repeat(1, 2))
+    # Every table's rows are arms; every arm is in a table.
+    named = {name for rows in script.TABLES.values() for _, name in rows}
+    assert named == set(script.VARIANTS)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--layers", "4"])
+
+
+@pytest.mark.slow
+def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
+    figures_path = tmp_path / "figures.json"
+    command = [sys.executable, str(SCRIPT), "--quick", "--workers", "2", "--json", str(figures_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for title in TITLES:
+        assert title in result.stdout, title
+    figures = json.loads(figures_path.read_text())
+    (pretrain,) = [run for run in figures["runs"] if run["part"] == "pretrain"]
+    assert len(pretrain["history"]) == figures["args"]["pretrain_steps"] and math.isfinite(
+        pretrain["pretrained"]
+    )
+    arms = [run for run in figures["runs"] if run["part"] == "variant"]
+    assert [run["name"] for run in arms] == list(load_script().VARIANTS)
+    for run in arms:
+        assert len(run["history"]) == figures["args"]["continue_steps"], run["name"]
+        losses = [run["converted"], run["heldout"], *(step["lm_loss"] for step in run["history"])]
+        assert all(math.isfinite(value) and value > 0 for value in losses), run["name"]
+    (progressive,) = [run for run in arms if "before_expansion" in run]
+    assert math.isfinite(progressive["before_expansion"]) and math.isfinite(progressive["after_expansion"])
+    assert len(figures["directions"]) == 9
+    assert all(isinstance(value["holds"], bool) for value in figures["directions"].values())
