@@ -505,18 +505,20 @@ def draw(runs: list[dict], path: str) -> bool:
         return False
     figure, (loss_axis, ratio_axis) = plt.subplots(1, 2, figsize=(12, 4))
     baseline = mean_curve(runs, "no-chunk", "lm_loss")
-    for name, changes in SCRATCH.items():
+    for index, (name, changes) in enumerate(SCRATCH.items()):
         if changes is None:
             continue
+        # One colour per configuration in both panels (the ratio panel has no fixed-chunking line).
+        color = f"C{index}"
         curve = mean_curve(runs, name, "lm_loss")
         # The first 10% of the steps differ by whole nats: the plot starts after them.
         start = len(curve) // 10
         steps = range(start + 1, len(curve) + 1)
-        loss_axis.plot(
-            steps, [a - b for a, b in zip(curve[start:], baseline[start:], strict=True)], label=name
-        )
+        gaps = [a - b for a, b in zip(curve[start:], baseline[start:], strict=True)]
+        loss_axis.plot(steps, gaps, label=name, color=color)
         if name != "fixed":
-            ratio_axis.plot(range(1, len(curve) + 1), mean_curve(runs, name, "inference_ratio"), label=name)
+            ratios = mean_curve(runs, name, "inference_ratio")
+            ratio_axis.plot(range(1, len(curve) + 1), ratios, label=name, color=color)
     loss_axis.axhline(0, color="grey", linewidth=1)
     loss_axis.set_title("training LM loss − no-chunk (nats, mean of seeds)")
     ratio_axis.axhline(TARGET_RATIO, color="grey", linestyle="--", linewidth=1)
