@@ -71,6 +71,8 @@ class ConceptTrainer(Trainer):
         super().__init__(*args, **kwargs)
         # The running statistics of the current optimizer step (global ratio loss), if the model has one.
         self.ratio_accumulator: RatioAccumulator | None = None
+        # The micro-batches of a step whose plan (ratio_step.plan_ratio_step) is still to be drawn.
+        self._unplanned_step: list | None = None
         # Per field: the running sum, and its weight (micro-batches; optimizer steps for a summed share).
         self._metric_sums: dict[str, float] = {}
         self._metric_counts: dict[str, float] = {}
@@ -107,23 +109,29 @@ class ConceptTrainer(Trainer):
             accumulator = self.ratio_accumulator = RatioAccumulator(len(batch_samples))
         accumulator.reset(step_token_count=int(step_tokens))
         model.ratio_accumulator = accumulator
-        if getattr(model.config, "chunking", None) != "fixed":
-            # The step's boundary counts before its first forward: every micro-batch then uses the
-            # step's F, as one big batch would (ratio_step.py). Fixed chunking has no ratio loss.
-            # training_step sets train mode only after this; the plan must draw as training does.
-            model.train()
-            plan_ratio_step(model, [self._prepare_inputs(batch) for batch in batch_samples])
+        # Fixed chunking has no ratio loss to plan. The plan draws the step's boundaries, so it runs at the
+        # step's first forward (compute_loss), not here: on resume, Trainer restores the RNG state only
+        # after fetching the step's batches, and a plan drawn before that would differ from the
+        # uninterrupted run's.
+        planned = getattr(model.config, "chunking", None) != "fixed"
+        self._unplanned_step = batch_samples if planned else None
 
     def train(self, *args: Any, **kwargs: Any):
         try:
             return super().train(*args, **kwargs)
         finally:
             # Outside training steps the model must not count micro-batches of a step that is over.
+            self._unplanned_step = None
             model = self._ratio_model()
             if model is not None:
                 model.ratio_accumulator = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training and self._unplanned_step is not None:
+            # The step's boundary counts before its first forward: every micro-batch then uses the step's
+            # F, as one big batch would (ratio_step.py).
+            batches, self._unplanned_step = self._unplanned_step, None
+            plan_ratio_step(self._ratio_model(), [self._prepare_inputs(batch) for batch in batches])
         loss, outputs = self.model_loss(model, inputs, num_items_in_batch)
         if model.training:
             shares = num_items_in_batch is not None and self.model_accepts_loss_kwargs
