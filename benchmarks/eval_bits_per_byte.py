@@ -222,6 +222,31 @@ def write_result(args: argparse.Namespace, **figures) -> dict:
     return result
 
 
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every multi-seed reproduction shares: jobs in worker processes, outputs, smoke run."""
+    parser.add_argument("--workers", type=int, default=2, help="processes running jobs side by side")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--json", default=None, help="write every per-seed figure and curve here")
+    parser.add_argument("--png", default=None, help="draw the curves here (needs matplotlib)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps, 1 seed")
+
+
+def finish_run_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, quick: dict, counts: tuple[str, ...]
+) -> argparse.Namespace:
+    """`args` with the `quick` settings under --quick; exits 2 naming the flag if a count in `counts`
+    (or --workers, --threads) is below 1 or --accumulation does not divide --batch-size."""
+    if args.quick:
+        for field, value in quick.items():
+            setattr(args, field, value)
+    for field in (*counts, "workers", "threads"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
+    if args.batch_size % args.accumulation:
+        parser.error(f"--accumulation={args.accumulation} must divide --batch-size={args.batch_size}")
+    return args
+
+
 def pyplot_or_none(path: str):
     """matplotlib's pyplot on the Agg backend, or None, with a message naming the `plots` extra and the
     picture `path` that will not be drawn, when matplotlib is not installed."""

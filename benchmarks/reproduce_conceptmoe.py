@@ -107,21 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak lr from scratch and in pretraining")
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
-    parser.add_argument("--workers", type=int, default=2, help="processes running jobs side by side")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--json", default=None, help="write every per-seed figure and curve here")
-    parser.add_argument("--png", default=None, help="draw the curves here (needs matplotlib)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps, 1 seed")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for field, value in QUICK.items():
-            setattr(args, field, value)
-    counts = ("steps", "pretrain_steps", "continue_steps", "context", "batch_size", "accumulation")
-    for field in (*counts, "workers", "threads", "width"):
-        if getattr(args, field) < 1:
-            parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
-    if args.batch_size % args.accumulation:
-        parser.error(f"--accumulation={args.accumulation} must divide --batch-size={args.batch_size}")
+    runner.add_run_flags(parser)
+    counts = ("steps", "pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
+    args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
     if args.width % (2 * HEAD_WIDTH):
         parser.error(f"--width={args.width} must be a multiple of {2 * HEAD_WIDTH} (heads of 16, KV half)")
     return args
@@ -277,19 +265,9 @@ def final(history: list[dict], key: str) -> float:
 # ---------------------------------------------------------------------------------------------- jobs
 
 
-_DATA: dict = {}
-
-
-def worker_data(args: argparse.Namespace) -> dict:
-    """The tokenized corpus, loaded once per process (workers are separate processes)."""
-    if "data" not in _DATA:
-        _DATA["data"] = reproduce_dlcm.load_data(args)
-    return _DATA["data"]
-
-
 def scratch_job(args: argparse.Namespace, name: str, seed: int) -> dict:
     torch.set_num_threads(args.threads)
-    data = worker_data(args)
+    data = reproduce_dlcm.load_data_once(args)
     model = build_scratch(args, name, seed, data["vocab_size"], data["pad_id"])
     start = time.perf_counter()
     history = train(model, args, seed, data["rows"], args.steps, args.lr)
@@ -322,7 +300,7 @@ def ct_job(args: argparse.Namespace, seed: int) -> dict:
     from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
 
     torch.set_num_threads(args.threads)
-    data = worker_data(args)
+    data = reproduce_dlcm.load_data_once(args)
     start = time.perf_counter()
     source = mixtral_source(args, seed, data["vocab_size"], data["pad_id"])
     pretrain = train(source, args, seed, data["rows"], args.pretrain_steps, args.lr)
@@ -537,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    data = worker_data(args)
+    data = reproduce_dlcm.load_data_once(args)
     compute = compute_table(args, data["vocab_size"], data["pad_id"])
     print_compute_table(compute)
     runs = run_jobs(args)

@@ -379,6 +379,16 @@ def load_data(args: argparse.Namespace) -> dict:
     return dict(rows=rows, heldout=heldout, vocab_size=len(tokenizer), pad_id=pad_id, heldout_tokens=sizes)
 
 
+_LOADED: dict = {}
+
+
+def load_data_once(args: argparse.Namespace) -> dict:
+    """`load_data`, once per process: the reproductions' worker processes each load the corpus once."""
+    if "data" not in _LOADED:
+        _LOADED["data"] = load_data(args)
+    return _LOADED["data"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

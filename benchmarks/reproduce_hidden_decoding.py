@@ -160,23 +160,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak lr of the pretraining")
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
-    parser.add_argument("--workers", type=int, default=2, help="processes running jobs side by side")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--json", default=None, help="write every per-seed figure and curve here")
-    parser.add_argument("--png", default=None, help="draw the curves here (needs matplotlib)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps, 1 seed")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for field, value in QUICK.items():
-            setattr(args, field, value)
-    counts = ("pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "workers")
-    for field in (*counts, "threads", "width"):
-        if getattr(args, field) < 1:
-            parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
+    runner.add_run_flags(parser)
+    counts = ("pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
+    args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
     if args.continue_steps < 2:
         parser.error(f"--continue-steps={args.continue_steps} must be >= 2 (progressive: two halves)")
-    if args.batch_size % args.accumulation:
-        parser.error(f"--accumulation={args.accumulation} must divide --batch-size={args.batch_size}")
     if args.width % (2 * HEAD_WIDTH):
         parser.error(f"--width={args.width} must be a multiple of {2 * HEAD_WIDTH} (heads of 16, KV half)")
     # With fewer layers the default layout has a single full layer: "1 full" and "some" would coincide.
@@ -312,16 +300,6 @@ def evaluate(model: torch.nn.Module, documents: list, context: int) -> float:
 # ---------------------------------------------------------------------------------------------- jobs
 
 
-_DATA: dict = {}
-
-
-def worker_data(args: argparse.Namespace) -> dict:
-    """The tokenized corpus, loaded once per process (workers are separate processes)."""
-    if "data" not in _DATA:
-        _DATA["data"] = reproduce_dlcm.load_data(args)
-    return _DATA["data"]
-
-
 def source_path(folder: str, seed: int) -> Path:
     return Path(folder) / f"seed{seed}" / "source"
 
@@ -329,7 +307,7 @@ def source_path(folder: str, seed: int) -> Path:
 def pretrain_job(args: argparse.Namespace, seed: int, folder: str) -> dict:
     """Pretrain the seed's Llama source and save it under `folder` for the arms."""
     torch.set_num_threads(args.threads)
-    data = worker_data(args)
+    data = reproduce_dlcm.load_data_once(args)
     start = time.perf_counter()
     source = llama_source(args, seed, data["vocab_size"], data["pad_id"])
     history = train(
@@ -346,7 +324,7 @@ def pretrain_job(args: argparse.Namespace, seed: int, folder: str) -> dict:
 def variant_job(args: argparse.Namespace, name: str, seed: int, folder: str) -> dict:
     """Convert the seed's source into arm `name`, evaluate, continue on the continuation batches, evaluate."""
     torch.set_num_threads(args.threads)
-    data = worker_data(args)
+    data = reproduce_dlcm.load_data_once(args)
     variant = VARIANTS[name]
     start = time.perf_counter()
     steps = batches(args, data["rows"], seed + CONTINUATION_SEED, args.continue_steps)
@@ -566,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    data = worker_data(args)
+    data = reproduce_dlcm.load_data_once(args)
     with tempfile.TemporaryDirectory() as folder:
         runs = run_jobs(args, folder)
     wall = time.perf_counter() - start
