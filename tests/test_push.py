@@ -298,3 +298,50 @@ def test_lslm_push_needs_the_tokenizer_code_too(tmp_path):
     pattern = r"tokenization_lslm\.py is missing .*: tokenizer_config\.json auto_map\['AutoTokenizer'\]"
     with pytest.raises(ValueError, match=pattern):
         hub.plan_upload(folder, "org/tiny-lslm")
+
+
+TRAINING_STATE = (
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "rng_state_1.pth",
+    "scaler.pt",
+    "training_args.bin",
+    "trainer_state.json",
+    "global_step10/mp_rank_00_model_states.pt",
+)
+
+
+def test_a_raw_trainer_checkpoint_is_pushed_without_its_training_state(tmp_path, recorder, capsys):
+    """A `checkpoint-N` folder as Trainer writes it: the model and tokenizer go up, the optimizer, scheduler,
+    RNG and trainer state stay home and are listed, unless --include-training-state."""
+    folder = save_tiny("conceptmoe-first", tmp_path / "checkpoint-10")
+    for name in TRAINING_STATE:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"state")
+    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    assert main(["push", str(folder), "org/tiny-cmoe"]) == 0
+    out = capsys.readouterr().out
+    uploaded = set(recorder.instances[-1].uploaded)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= uploaded
+    assert not uploaded & {name.split("/")[0] for name in TRAINING_STATE}
+    assert not any(path.startswith("global_step10/") for path in uploaded)
+    for name in (
+        "optimizer.pt",
+        "rng_state_1.pth",
+        "training_args.bin",
+        "trainer_state.json",
+        "global_step10/",
+    ):
+        assert f"not uploaded: {name} (training state, not read by from_pretrained" in out, name
+    # The folder keeps every file it had (the new card is added once the upload succeeded).
+    assert all(path.read_bytes() == data for path, data in before.items())
+
+    assert main(["push", str(folder), "org/tiny-cmoe", "--include-training-state"]) == 0
+    uploaded = set(recorder.instances[-1].uploaded)
+    assert {
+        "optimizer.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+        "global_step10/mp_rank_00_model_states.pt",
+    } <= uploaded

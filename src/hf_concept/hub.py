@@ -5,7 +5,11 @@ What gets uploaded (`files_to_upload`): every file under the folder except
   `.cache/`, `.gitattributes` (the Hub keeps its own), and the staging folders of an interrupted write;
 - `__pycache__/` folders and compiled `*.pyc` / `*.pyo` files;
 - `Trainer` checkpoint folders (`checkpoint-*/`, and `checkpoints/` where `hf-concept train` keeps them, at
-  the top level), unless `include_checkpoints=True`.
+  the top level), unless `include_checkpoints=True`;
+- `Trainer`'s training state at the top level (`optimizer.pt`, `scheduler.pt`, `rng_state*.pth`,
+  `scaler.pt`, `training_args.bin`, `trainer_state.json`, DeepSpeed's `global_step*/`), which
+  `from_pretrained` never reads and a raw `checkpoint-N` folder holds, unless
+  `include_training_state=True`.
 
 Before anything leaves the machine, `check_checkpoint` insists on a loadable checkpoint: `config.json`;
 weights (`model.safetensors`, or an index with every shard it names, or `pytorch_model.bin`); and for
@@ -45,6 +49,14 @@ TRAIN_CHECKPOINTS = "checkpoints"
 COMPILED_SUFFIXES = (".pyc", ".pyo")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# What Trainer writes beside the model in checkpoint-N: resuming needs it, from_pretrained does not.
+TRAINING_STATE_FILES = (
+    "optimizer.pt",
+    "scheduler.pt",
+    "scaler.pt",
+    "training_args.bin",
+    "trainer_state.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
@@ -67,7 +79,15 @@ class UploadPlan:
         return sum(size for _, size in self.files)
 
 
-def _skipped(name: str, is_dir: bool, top_level: bool, include_checkpoints: bool) -> str | None:
+def _is_training_state(name: str, is_dir: bool) -> bool:
+    if is_dir:
+        return name.startswith("global_step")
+    return name in TRAINING_STATE_FILES or (name.startswith("rng_state") and name.endswith(".pth"))
+
+
+def _skipped(
+    name: str, is_dir: bool, top_level: bool, include_checkpoints: bool, include_training_state: bool
+) -> str | None:
     """Why the entry `name` is left out of the upload (None: it is uploaded)."""
     if name.startswith("."):
         return "hidden"
@@ -78,10 +98,14 @@ def _skipped(name: str, is_dir: bool, top_level: bool, include_checkpoints: bool
     checkpoints = name.startswith(CHECKPOINT_PREFIX) or name == TRAIN_CHECKPOINTS
     if is_dir and top_level and checkpoints and not include_checkpoints:
         return "Trainer checkpoint; pass --include-checkpoints to upload it"
+    if top_level and not include_training_state and _is_training_state(name, is_dir):
+        return "training state, not read by from_pretrained; pass --include-training-state to upload it"
     return None
 
 
-def scan_folder(folder: str | Path, *, include_checkpoints: bool = False) -> tuple[list[Path], list[str]]:
+def scan_folder(
+    folder: str | Path, *, include_checkpoints: bool = False, include_training_state: bool = False
+) -> tuple[list[Path], list[str]]:
     """(files to upload as relative paths, sorted; "path (reason)" for each top-most entry left out)."""
     folder = Path(folder)
     files: list[Path] = []
@@ -90,12 +114,12 @@ def scan_folder(folder: str | Path, *, include_checkpoints: bool = False) -> tup
         base = Path(root).relative_to(folder)
         top_level = base == Path(".")
         for name in sorted(dirs):
-            reason = _skipped(name, True, top_level, include_checkpoints)
+            reason = _skipped(name, True, top_level, include_checkpoints, include_training_state)
             if reason:
                 dirs.remove(name)
                 skipped.append(f"{(base / name).as_posix()}/ ({reason})")
         for name in names:
-            reason = _skipped(name, False, top_level, include_checkpoints)
+            reason = _skipped(name, False, top_level, include_checkpoints, include_training_state)
             if reason:
                 skipped.append(f"{(base / name).as_posix()} ({reason})")
             elif (Path(root) / name).is_file():
@@ -103,9 +127,12 @@ def scan_folder(folder: str | Path, *, include_checkpoints: bool = False) -> tup
     return sorted(files, key=lambda path: path.as_posix()), sorted(skipped)
 
 
-def files_to_upload(folder: str | Path, *, include_checkpoints: bool = False) -> list[Path]:
+def files_to_upload(
+    folder: str | Path, *, include_checkpoints: bool = False, include_training_state: bool = False
+) -> list[Path]:
     """The files of `folder` that an upload sends, as paths relative to it (see the module docstring)."""
-    return scan_folder(folder, include_checkpoints=include_checkpoints)[0]
+    included = dict(include_checkpoints=include_checkpoints, include_training_state=include_training_state)
+    return scan_folder(folder, **included)[0]
 
 
 def _read_json(path: Path) -> dict:
@@ -205,12 +232,19 @@ def validate_hub_repo_id(repo_id: str) -> None:
         raise ValueError(f"repo_id={repo_id!r} is not a Hub repo id: {error}") from None
 
 
-def plan_upload(folder: str | Path, repo_id: str, *, include_checkpoints: bool = False) -> UploadPlan:
+def plan_upload(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    include_checkpoints: bool = False,
+    include_training_state: bool = False,
+) -> UploadPlan:
     """Validate `folder` and `repo_id` and describe the upload, without touching the folder or the Hub."""
     validate_hub_repo_id(repo_id)
     folder = Path(folder)
     code_files = check_checkpoint(folder)
-    paths, skipped = scan_folder(folder, include_checkpoints=include_checkpoints)
+    included = dict(include_checkpoints=include_checkpoints, include_training_state=include_training_state)
+    paths, skipped = scan_folder(folder, **included)
     action, card_text, card_note = _card_action(folder, repo_id)
     sizes = {path.as_posix(): (folder / path).stat().st_size for path in paths}
     if card_text is not None:
@@ -292,6 +326,7 @@ def push_checkpoint(
     commit_message: str | None = None,
     api: HfApi | None = None,
     include_checkpoints: bool = False,
+    include_training_state: bool = False,
     report: Callable[[str], None] | None = None,
 ) -> str:
     """Upload the checkpoint in `folder` to the model repo `repo_id` in one commit; returns its URL.
@@ -303,7 +338,8 @@ def push_checkpoint(
     token raises `LocalTokenNotFoundError` before any request. `report` receives the one-line messages
     about the model card (default: a logging warning). Network and Hub failures propagate (see
     `is_hub_error`)."""
-    plan = plan_upload(folder, repo_id, include_checkpoints=include_checkpoints)
+    included = dict(include_checkpoints=include_checkpoints, include_training_state=include_training_state)
+    plan = plan_upload(folder, repo_id, **included)
     if api is None:
         _require_token(token)
         api = HfApi(token=token)
@@ -313,7 +349,7 @@ def push_checkpoint(
     # A bare name gets the caller's namespace; the card and the upload use the full id.
     full_id = getattr(repo_url, "repo_id", None) or repo_id
     if full_id != repo_id:
-        plan = plan_upload(folder, full_id, include_checkpoints=include_checkpoints)
+        plan = plan_upload(folder, full_id, **included)
     if revision and revision != "main" and not revision.startswith("refs/"):
         api.create_branch(repo_id=full_id, branch=revision, exist_ok=True, repo_type="model", token=token)
     family = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("model_type")

@@ -19,7 +19,10 @@ DESCRIPTION = (
 EPILOG = """\
 what is uploaded:
   every file under CHECKPOINT except hidden files and folders (.git/, .DS_Store, .gitattributes, ...),
-  __pycache__/ and *.pyc, and Trainer checkpoint-*/ and checkpoints/ folders (unless --include-checkpoints).
+  __pycache__/ and *.pyc, Trainer checkpoint-*/ and checkpoints/ folders (unless --include-checkpoints),
+  and the training state a raw checkpoint-N folder holds beside the model (optimizer.pt, scheduler.pt,
+  rng_state*.pth, scaler.pt, training_args.bin, trainer_state.json; unless --include-training-state).
+  push lists every entry it leaves out.
   The folder must hold config.json, the weights (model.safetensors, or an index and all its shards, or
   pytorch_model.bin) and, for remote code, every .py that auto_map names plus the modules they import
   with `from .x import`.
@@ -59,6 +62,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Also upload Trainer checkpoint-*/ and checkpoints/ folders.",
     )
     parser.add_argument(
+        "--include-training-state",
+        action="store_true",
+        help="Also upload Trainer's optimizer, scheduler, RNG and trainer state files (to resume elsewhere).",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="List exactly what would be uploaded (bytes, path); send nothing.",
@@ -68,15 +76,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hf_concept import hub
 
+    included = dict(
+        include_checkpoints=args.include_checkpoints, include_training_state=args.include_training_state
+    )
     try:
+        # Validate before any network call, so a broken folder never creates an empty repo.
+        plan = hub.plan_upload(args.checkpoint, args.repo_id, **included)
         if args.dry_run:
-            plan = hub.plan_upload(
-                args.checkpoint, args.repo_id, include_checkpoints=args.include_checkpoints
-            )
             print_plan(plan, args)
             return 0
-        # Validate before any network call, so a broken folder never creates an empty repo.
-        hub.plan_upload(args.checkpoint, args.repo_id, include_checkpoints=args.include_checkpoints)
     except (ValueError, FileNotFoundError, NotADirectoryError) as error:
         print(f"hf-concept push: error: {error}", file=sys.stderr)
         return 2
@@ -88,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
             revision=args.revision,
             token=args.token,
             commit_message=args.commit_message,
-            include_checkpoints=args.include_checkpoints,
             report=print,
+            **included,
         )
     except Exception as error:
         # Network, HTTP, token and offline-mode failures are the user's to fix: one line. Anything else
@@ -100,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hf-concept push: error: upload to {args.repo_id!r} failed: {message}", file=sys.stderr)
         return 1
     print(f"pushed {args.checkpoint} to {url}")
+    for entry in plan.skipped:
+        print(f"not uploaded: {entry}")
     return 0
 
 
