@@ -3,10 +3,13 @@
 from hf_concept.training.checkpoints import checkpoint_problems, latest_checkpoint
 from hf_concept.training.errors import TrainingDivergedError, TrainSetupError
 from hf_concept.training.mup import MUP_GROUPS, mup_optimizer, mup_param_groups
-from hf_concept.training.recipes import TrainResult, train
+from hf_concept.training.recipes import LORA_ATTENTION as LORA_ATTENTION_TARGETS
+from hf_concept.training.recipes import LORA_EXPERT_TARGETS, TrainResult, train
 from hf_concept.training.trainer import METRIC_FIELDS, ConceptTrainer
 
 __all__ = [
+    "LORA_ATTENTION_TARGETS",
+    "LORA_EXPERT_TARGETS",
     "METRIC_FIELDS",
     "MUP_GROUPS",
     "ConceptTrainer",

@@ -91,6 +91,9 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 LORA_ATTENTION = (
     r".*\.(self_attn|cross_attn)\.(q_proj|k_proj|v_proj|o_proj|concept_q_proj|concept_k_proj|concept_v_proj)"
 )
+# PEFT `target_modules` for the experts of a MoE block (each expert is an MLP of nn.Linear, so LoRA
+# wraps them as modules; no `target_parameters` needed). Shared experts match too; the router `gate` not.
+LORA_EXPERT_TARGETS = r".*\.mlp\.(experts\.\d+|shared_expert)\.(gate_proj|up_proj|down_proj)"
 # Boundary routers, trained in full under LoRA (see the module docstring).
 LORA_ROUTERS = {"conceptmoe": "chunker", "dlcm": "chunker", "lslm": "router"}
 DEFAULT_LEARNING_RATE = 3e-4
