@@ -30,6 +30,13 @@ def all_reduce_sum(counts: torch.Tensor, process_group=None) -> torch.Tensor:
     return counts
 
 
+def scope_counts(prob_sum: torch.Tensor, boundaries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(3,) float64, detached: (boundaries, sum of p, tokens) over the real tokens of (B, L) `boundaries`
+    and `mask`, with `prob_sum` the sum of p over them: the counts a ratio-loss scope is made of."""
+    opens = (boundaries & mask).sum().to(torch.float64)
+    return torch.stack([opens, prob_sum.detach().to(torch.float64), mask.sum().to(torch.float64)])
+
+
 class _BoundariesDrawn(Exception):  # noqa: N818 (a stop signal for the planning forward, not an error)
     """Ends a planning forward once the micro-batch's decisions exist: nothing after them is needed."""
 
@@ -129,14 +136,8 @@ def plan_ratio_step(
             try:
                 model(**inputs, use_cache=False)
             except _BoundariesDrawn as drawn:
-                mask = drawn.mask
-                micro = torch.stack(
-                    [
-                        (drawn.boundaries & mask).sum().double(),
-                        torch.where(mask, drawn.probs, 0.0).sum().double(),
-                        mask.sum().double(),
-                    ]
-                )
+                prob_sum = torch.where(drawn.mask, drawn.probs, 0.0).sum()
+                micro = scope_counts(prob_sum, drawn.boundaries, drawn.mask)
                 counts = micro if counts is None else counts + micro
                 planned.append(drawn.boundaries)
             else:

@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import document_ids
-from .ratio_step import RatioAccumulator, all_reduce_sum
+from .ratio_step import RatioAccumulator, all_reduce_sum, scope_counts
 
 NOISE_KINDS = ("bernoulli", "gaussian", "none")
 RATIO_LOSS_SCOPES = ("sequence", "batch", "global")
@@ -476,8 +476,7 @@ def _pooled_ratio_loss(
     """The "batch" scope, and the "global" scope when `across_ranks` (shares: module docstring)."""
     prob_sum = torch.where(mask, probs, 0.0).sum()
     local_tokens = mask.sum()
-    counts = torch.stack([(boundaries & mask).sum(), local_tokens]).to(torch.float64)
-    counts = torch.stack([counts[0], prob_sum.detach().to(torch.float64), counts[1]])
+    counts = scope_counts(prob_sum, boundaries, mask)
     if across_ranks:
         counts = all_reduce_sum(counts, process_group)
     denominator = counts[2]
