@@ -439,33 +439,11 @@ class HiddenDecodingForCausalLM(CausalLMMixin, HiddenDecodingPreTrainedModel, Ge
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        output_stream_states: bool = False,
-        **kwargs: Any,
-    ) -> HiddenDecodingCausalLMOutput | tuple:
-        """`CausalLMMixin.forward`, with every stream's states requested when the loss needs them."""
-        supervised_streams = labels is not None and self.config.stream_supervision == "all_streams"
-        return super().forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            output_stream_states=output_stream_states or supervised_streams,
-            **kwargs,
-        )
+    def backbone_kwargs(self, labels: torch.Tensor | None, kwargs: dict) -> dict:
+        """Every stream's states are requested when the loss needs them ("all_streams" with labels)."""
+        if labels is not None and self.config.stream_supervision == "all_streams":
+            return dict(kwargs, output_stream_states=True)
+        return kwargs
 
     def loss_and_fields(
         self,

@@ -251,7 +251,7 @@ class CausalLMMixin:
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            **kwargs,
+            **self.backbone_kwargs(labels, kwargs),
         )
         # (B, L_kept, V)
         logits = self.scale_logits(project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep))
@@ -262,6 +262,11 @@ class CausalLMMixin:
             **self.loss_and_fields(outputs, logits, labels, kwargs),
         )
         return output.to_tuple() if return_dict is False else output
+
+    def backbone_kwargs(self, labels: torch.Tensor | None, kwargs: dict) -> dict:
+        """Hook for the keyword arguments the backbone gets beyond the inputs (Hidden Decoding asks for
+        every stream's states when its loss needs them); `kwargs` as they are here."""
+        return kwargs
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Hook for output multipliers (DLCM's μP); the identity here."""
