@@ -65,7 +65,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -245,6 +247,30 @@ def finish_run_flags(
     if args.batch_size % args.accumulation:
         parser.error(f"--accumulation={args.accumulation} must divide --batch-size={args.batch_size}")
     return args
+
+
+def accumulated_steps(
+    model: nn.Module, batches: Iterable[torch.Tensor], steps: int, accumulation: int, lr: float
+) -> Iterator[list[tuple[torch.Tensor, Any]]]:
+    """The reproductions' optimizer loop: AdamW (weight decay 0.01) at peak `lr` with `learning_rate_factor`
+    over `steps`, one step per (B, L) batch of `batches`, each in `accumulation` micro-batches whose
+    losses are normalised as `Trainer` does (`num_items_in_batch`), gradients clipped at 1.0. Yields, after
+    each optimizer step, its (micro-batch, model output) pairs. Draws nothing from torch's generator."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, steps))
+    model.train()
+    for batch in batches:
+        items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
+        optimizer.zero_grad(set_to_none=True)
+        outputs = []
+        for micro in batch.chunk(accumulation):
+            output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
+            output.loss.backward()
+            outputs.append((micro, output))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        yield outputs
 
 
 def pyplot_or_none(path: str):

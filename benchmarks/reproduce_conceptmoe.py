@@ -197,40 +197,33 @@ def train(
 ) -> list[dict]:
     """`steps` optimizer steps on the seed's batches; one record per step: the loss, and for a ConceptMoE
     the LM loss and both realised ratios of the step's tokens (sampled, and thresholded as inference)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: runner.learning_rate_factor(step, steps)
-    )
     rng = random.Random(seed)
     torch.manual_seed(seed)
     accumulator = RatioAccumulator(args.accumulation)
     concept = isinstance(model, ConceptMoEForCausalLM)
     if concept:
         model.ratio_accumulator = accumulator if model.config.ratio_scope == "global" else None
-    model.train()
+
+    def batches():
+        for _ in range(steps):
+            batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+            accumulator.reset(batch.numel())
+            yield batch
+
     history = []
-    for _ in range(steps):
-        batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
-        accumulator.reset(batch.numel())
-        items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
-        record = dict(loss=0.0, lm_loss=0.0, sampled_concepts=0.0, inference_concepts=0.0)
-        optimizer.zero_grad(set_to_none=True)
-        for micro in batch.chunk(args.accumulation):
-            output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
-            output.loss.backward()
-            record["loss"] += output.loss.item()
-            if concept:
-                # lm_loss is this micro-batch's share of the step's LM loss, like loss.
-                record["lm_loss"] += output.lm_loss.item()
-                record["sampled_concepts"] += micro.numel() / output.compression_ratio.item()
-                record["inference_concepts"] += micro.numel() / output.inference_compression_ratio.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        entry = dict(loss=record["loss"], lm_loss=record["lm_loss"] if concept else record["loss"])
+    for outputs in runner.accumulated_steps(model, batches(), steps, args.accumulation, lr):
+        loss = sum(output.loss.item() for _, output in outputs)
+        entry = dict(loss=loss, lm_loss=loss)
         if concept:
-            entry["sampled_ratio"] = batch.numel() / record["sampled_concepts"]
-            entry["inference_ratio"] = batch.numel() / record["inference_concepts"]
+            # lm_loss is each micro-batch's share of the step's LM loss, like loss.
+            tokens = sum(micro.numel() for micro, _ in outputs)
+            entry["lm_loss"] = sum(output.lm_loss.item() for _, output in outputs)
+            entry["sampled_ratio"] = tokens / sum(
+                micro.numel() / output.compression_ratio.item() for micro, output in outputs
+            )
+            entry["inference_ratio"] = tokens / sum(
+                micro.numel() / output.inference_compression_ratio.item() for micro, output in outputs
+            )
         history.append(entry)
     return history
 

@@ -151,37 +151,30 @@ def train(
     model: DLCMForCausalLM, args: argparse.Namespace, seed: int, rows: list[torch.Tensor]
 ) -> list[dict]:
     """`args.steps` optimizer steps on the seed's batches; one record per step (loss, both ratios)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: runner.learning_rate_factor(step, args.steps)
-    )
     rng = random.Random(seed)
     torch.manual_seed(seed)
     accumulator = RatioAccumulator(args.accumulation)
     model.ratio_accumulator = accumulator if model.config.ratio_scope == "global" else None
-    model.train()
+
+    def batches():
+        for _ in range(args.steps):
+            batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+            accumulator.reset(batch.numel())
+            yield batch
+
     history = []
-    for step in range(args.steps):
-        batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
-        accumulator.reset(batch.numel())
-        items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
-        record = dict(loss=0.0, tokens=0, sampled_concepts=0.0, inference_concepts=0.0)
-        optimizer.zero_grad(set_to_none=True)
-        for micro in batch.chunk(args.accumulation):
-            output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
-            output.loss.backward()
-            record["loss"] += output.loss.item()
-            record["tokens"] += micro.numel()
-            record["sampled_concepts"] += micro.numel() / output.compression_ratio.item()
-            record["inference_concepts"] += micro.numel() / output.inference_compression_ratio.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+    steps = runner.accumulated_steps(model, batches(), args.steps, args.accumulation, args.lr)
+    for step, outputs in enumerate(steps):
+        tokens = sum(micro.numel() for micro, _ in outputs)
+        sampled = sum(micro.numel() / output.compression_ratio.item() for micro, output in outputs)
+        inference = sum(
+            micro.numel() / output.inference_compression_ratio.item() for micro, output in outputs
+        )
         history.append(
             dict(
-                loss=record["loss"],
-                sampled_ratio=record["tokens"] / record["sampled_concepts"],
-                inference_ratio=record["tokens"] / record["inference_concepts"],
+                loss=sum(output.loss.item() for _, output in outputs),
+                sampled_ratio=tokens / sampled,
+                inference_ratio=tokens / inference,
             )
         )
         if (step + 1) % max(1, args.steps // 10) == 0 or step + 1 == args.steps:

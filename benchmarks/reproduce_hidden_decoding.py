@@ -253,33 +253,20 @@ def prediction_loss(logits: torch.Tensor, input_ids: torch.Tensor, items: torch.
 
 
 def train(model: torch.nn.Module, steps: list[torch.Tensor], accumulation: int, lr: float) -> list[dict]:
-    """One AdamW step per batch of `steps`, in `accumulation` micro-batches normalised as `Trainer` does
-    (`num_items_in_batch`). Per step: the loss optimised and `lm_loss`, the prediction's own
-    cross-entropy (they differ only under all-stream supervision), and the step's seconds."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: runner.learning_rate_factor(step, len(steps))
-    )
+    """One AdamW step per batch of `steps` (`eval_bits_per_byte.accumulated_steps`). Per step: the loss
+    optimised and `lm_loss`, the prediction's own cross-entropy (they differ only under all-stream
+    supervision), and the step's seconds."""
     all_streams = getattr(model.config, "stream_supervision", "final") == "all_streams"
-    model.train()
     history = []
-    for batch in steps:
+    start = time.perf_counter()
+    for outputs in runner.accumulated_steps(model, steps, len(steps), accumulation, lr):
+        loss = sum(output.loss.item() for _, output in outputs)
+        lm_loss = loss
+        if all_streams:
+            items = torch.tensor(sum(micro.shape[0] * (micro.shape[1] - 1) for micro, _ in outputs))
+            lm_loss = sum(prediction_loss(output.logits, micro, items) for micro, output in outputs)
+        history.append(dict(loss=loss, lm_loss=lm_loss, seconds=time.perf_counter() - start))
         start = time.perf_counter()
-        items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
-        record = dict(loss=0.0, lm_loss=0.0)
-        optimizer.zero_grad(set_to_none=True)
-        for micro in batch.chunk(accumulation):
-            output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
-            output.loss.backward()
-            record["loss"] += output.loss.item()
-            if all_streams:
-                record["lm_loss"] += prediction_loss(output.logits, micro, items)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if not all_streams:
-            record["lm_loss"] = record["loss"]
-        history.append(dict(record, seconds=time.perf_counter() - start))
     return history
 
 
