@@ -23,9 +23,10 @@ def test_quick_run_prints_every_table_and_consistent_figures(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     printed = result.stdout
     assert "exactness: n=1 HD logits equal the source's" in printed
-    for title in ("[training step:", "[KV cache after", "[decode:", "[profile:"):
+    for title in ("[training step:", "[KV cache after", "[decode:", "[profile:", "[decode profile:"):
         assert printed.count(title) == 1, title
     assert "target: 1-in-4 at n=4 <= 4.6x the n=1 step:" in printed
+    assert "target: 1-in-4 at n=4, batch 1, >= 0.85x the source's tokens/s: met at T=" in printed
     figures = json.loads(figures_path.read_text())
 
     train = figures["train"]
@@ -52,13 +53,17 @@ def test_quick_run_prints_every_table_and_consistent_figures(tmp_path):
     )
 
     decode = figures["decode"]
-    assert {(row["layout"], row["streams"], row["batch"]) for row in decode} == {
-        (layout, streams, batch)
-        for layout in ("all-full", "1-in-4")
-        for streams in (1, 2, 4)
-        for batch in (1, 8)
-    }
+    assert [(row["layout"], row["streams"], row["batch"], row["context"]) for row in decode] == [
+        ("1-in-4", 4, batch, context) for batch in (1, 4) for context in (8, 16)
+    ]
     assert all(row["rate"] > 0 and row["source_rate"] > 0 and row["ratio"] > 0 for row in decode)
+    assert all(row["ratio"] == pytest.approx(row["rate"] / row["source_rate"]) for row in decode)
+
+    decode_profile = figures["decode_profile"]
+    assert [(row["model"], row["context"]) for row in decode_profile] == [
+        (model, context) for context in (8, 16) for model in ("source", "1-in-4 n=4")
+    ]
+    assert all(row["matmul"] > 0 and row["attention"] > 0 for row in decode_profile)
 
     profile = figures["profile"]
     assert [row["streams"] for row in profile] == [1, 2, 4, 8]

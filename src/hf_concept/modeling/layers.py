@@ -316,6 +316,12 @@ class Attention(nn.Module):
         projected = self.project(hidden_states)
         return self.attend(projected, position_embeddings, attention_mask, past_key_values, **kwargs)
 
+    def kernel(self) -> Callable:
+        """The attention function of `config._attn_implementation` (HF's signature; eager is ours)."""
+        return ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+
     def attend(
         self,
         projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -331,10 +337,7 @@ class Attention(nn.Module):
         if past_key_values is not None:
             # (B, G, S, K) with S = cached + new positions
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        output, weights = attention_interface(
+        output, weights = self.kernel()(
             self,
             query,
             key,

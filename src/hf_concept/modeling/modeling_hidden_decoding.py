@@ -38,12 +38,21 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from .configuration_hidden_decoding import HiddenDecodingConfig
 from .forward_only_cache import adopt_cache
-from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary, repeat_kv
+from .layers import (
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    SparseMoeBlock,
+    apply_rotary,
+    repeat_kv,
+)
 from .modeling_plain import CausalLMMixin, default_position_ids, init_backbone_weights
 from .stream_cache import StreamCache
 from .streams import (
@@ -85,6 +94,42 @@ def stream_positions(position_ids: torch.Tensor, num_streams: int, kind: str) ->
     # (B, S, L)
     expanded = position_ids[:, None, :] * num_streams + streams[None, :, None]
     return expanded.reshape(batch * num_streams, length)
+
+
+def grouped_sdpa_attention(
+    module: Attention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except that on CPU a masked call with grouped key/value heads lets the
+    kernel share each (B, G, T, K) key/value head with its query group (`enable_gqa`) instead of copying
+    them to (B, H, T, K) first. transformers copies whenever a mask is given, to keep CUDA off its math
+    kernel; on CPU the copy is pure cost, and a cross-stream layer decodes the S queries of a new token
+    under a mask over S times the source's entries. Same result (the copy only repeats heads); returns
+    ((B, L, H, K) output, None) as transformers does."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if attention_mask is None or groups == 1 or query.device.type != "cpu":
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    output = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+class StreamAttention(Attention):
+    """`Attention` whose sdpa kernel is `grouped_sdpa_attention` (same parameters, same results)."""
+
+    def kernel(self):
+        if self.config._attn_implementation == "sdpa":
+            return grouped_sdpa_attention
+        return super().kernel()
 
 
 class SharedKVAttention(Attention):
@@ -152,6 +197,8 @@ class StreamDecoderLayer(DecoderLayer):
         if self.stream_kind == "intra" and config.stream_kv == "shared":
             self.self_attn = SharedKVAttention(config, layer_idx)
             self.self_attn.num_streams = config.num_streams
+        else:
+            self.self_attn = StreamAttention(config, layer_idx)
 
 
 class HiddenDecodingPreTrainedModel(PreTrainedModel):
@@ -353,14 +400,15 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         position_ids = position_ids.expand(batch, -1)
         masks = self.stream_masks(stream_states, attention_mask, cache, position_ids)
         positions = self.stream_positions(stream_states, position_ids)
-        stream_states, all_states, all_router_logits = self.run_layers(
-            stream_states, masks, positions, cache, **kwargs
-        )
         keep_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         keep_routers = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
+        final_only = not output_stream_states and self.final_stream_suffices(keep_routers)
+        stream_states, all_states, all_router_logits = self.run_layers(
+            stream_states, masks, positions, cache, final_only, **kwargs
         )
         # (B, L, D)
         head_states = self.norm(head_input_states(stream_states, self.config.stream_supervision))
@@ -374,20 +422,38 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         )
         return output.to_tuple() if return_dict is False else output
 
+    def final_stream_suffices(self, keep_routers: bool) -> bool:
+        """Whether nothing reads the last layer's outputs on streams other than the final one: not the
+        "sum" head, not a caller's `output_stream_states`, not a sparse last layer's router logits when
+        they are returned. Gradient checkpointing and the shared-KV ablation keep the plain layer call."""
+        last = self.layers[-1]
+        if self.config.stream_supervision == "sum" or not isinstance(last.self_attn, StreamAttention):
+            return False
+        if self.gradient_checkpointing and self.training:
+            return False
+        return not (keep_routers and isinstance(last.mlp, SparseMoeBlock))
+
     def run_layers(
         self,
         stream_states: torch.Tensor,
         masks: StreamMasks,
         positions: StreamPositions,
         cache: StreamCache | None,
+        final_only: bool = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """(B, S, L, D) after every layer, the final stream's (B, L, D) input of each layer, and each
-        sparse layer's (N, E) router logits (N = B·S·L)."""
+        """(B, S, L, D) after every layer ((B, 1, L, D), the final stream, when `final_only`), the final
+        stream's (B, L, D) input of each layer, and each sparse layer's (N, E) router logits."""
         streams = self.num_streams
         all_states, all_router_logits = [stream_states[:, -1]], []
-        for layer in self.layers:
-            if layer.stream_kind == "intra":
+        for index, layer in enumerate(self.layers):
+            last = index == len(self.layers) - 1
+            trimmed = (
+                last and final_only and self.final_stream_layer(layer, stream_states, masks, positions, cache)
+            )
+            if trimmed:
+                stream_states, router_logits = trimmed
+            elif layer.stream_kind == "intra":
                 shape = stream_states.shape
                 output, router_logits = layer(
                     fold_streams(stream_states),
@@ -413,6 +479,79 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             if router_logits is not None:
                 all_router_logits.append(router_logits)
         return stream_states, all_states, all_router_logits
+
+    def final_stream_layer(
+        self,
+        layer: StreamDecoderLayer,
+        stream_states: torch.Tensor,
+        masks: StreamMasks,
+        positions: StreamPositions,
+        cache: StreamCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The last layer computed for the final stream only: (B, S, L, D) -> (B, 1, L, D) and the router
+        logits, or None where the plain call must run (a local layer that would need its window rebuilt).
+
+        Every stream's keys and values are still projected and cached (later tokens and the final stream's
+        own cross-stream attention read them); the queries, the attention output, o_proj and the MLP run
+        on the final stream alone, so the layer costs about 1/S of its work outside the key/value
+        projections. Row by row the same arithmetic as the plain call."""
+        streams, attention = self.num_streams, layer.self_attn
+        batch, _, length, _ = stream_states.shape
+        if layer.stream_kind == "intra":
+            inputs, rope, mask = fold_streams(stream_states), positions.folded_rope, masks.intra
+        else:
+            inputs, rope = interleave_streams(stream_states), positions.expanded_rope
+            mask = masks.local if layer.stream_kind == "local" else masks.full
+            if mask is None and length > 1 and layer.stream_kind == "local":
+                return None
+        query, key, value = attention.project(layer.input_layernorm(inputs))
+        query, key = apply_rotary(query, key, *rope)
+        if cache is not None:
+            key, value = cache.update(key, value, attention.layer_idx)
+        if layer.stream_kind == "intra":
+            # (B·S, ...) rows -> the final stream's (B, ...) rows; intra attention reads only its own stream.
+            query, key, value = (rows.unflatten(0, (batch, streams))[:, -1] for rows in (query, key, value))
+            if mask is not None and mask.shape[0] == batch * streams:
+                mask = mask.unflatten(0, (batch, streams))[:, -1]
+        else:
+            # (B, H, L, K): the queries at expanded positions i·S + S - 1.
+            query = query[:, :, streams - 1 :: streams]
+            mask = final_query_mask(mask, length, streams, key.shape[2], query.device)
+        attended, _ = attention.kernel()(
+            attention,
+            query,
+            key,
+            value,
+            mask,
+            dropout=attention.attention_dropout if self.training else 0.0,
+            scaling=attention.scaling,
+            sliding_window=attention.sliding_window,
+        )
+        # (B, L, D)
+        token_states = stream_states[:, -1] + attention.o_proj(attended.reshape(batch, length, -1))
+        mixed = layer.mlp(layer.post_attention_layernorm(token_states))
+        router_logits = None
+        if isinstance(mixed, tuple):
+            mixed, router_logits = mixed
+        return (token_states + mixed)[:, None], router_logits
+
+
+def final_query_mask(
+    mask: torch.Tensor | None, length: int, streams: int, key_length: int, device: torch.device
+) -> torch.Tensor | None:
+    """The rows of an interleaved layer's mask that belong to final-stream queries, (B|1, 1, L, T').
+
+    A None mask stood for "causal" over S·L queries ending at the last key; kept for one query (it sees
+    every key), spelled out as a boolean mask for more (sdpa's `is_causal` would align L queries with the
+    first L keys)."""
+    if mask is not None:
+        return mask[:, :, streams - 1 :: streams]
+    if length == 1:
+        return None
+    past = key_length - length * streams
+    # Query j sits at key index past + j·S + S - 1 and sees the keys up to it.
+    last_seen = past + torch.arange(length, device=device) * streams + streams - 1
+    return (torch.arange(key_length, device=device)[None, :] <= last_seen[:, None])[None, None]
 
 
 class HiddenDecodingForCausalLM(CausalLMMixin, HiddenDecodingPreTrainedModel, GenerationMixin):

@@ -13,6 +13,11 @@ Lengths: `get_seq_length()` counts tokens, as `generate` needs (HF_NOTES §2); `
 `get_mask_sizes(q, i)` speak the units of layer i (tokens for intra layers, expanded slots for the others),
 so `transformers.masking_utils` sizes each mask from the layer it is built for.
 
+Storage: intra and full layers append into `BlockGrowthLayer` buffers that grow by whole blocks of
+`GROWTH_BLOCK_TOKENS` tokens, so a decode step writes its n new entries in place instead of copying the
+layer's whole history (a `DynamicLayer` concatenates, which at n times the source's entries was the largest
+avoidable cost of a decode step, issue 18). `keys`/`values` are views of the filled part.
+
 Contract: a forward over tokens [0, n) followed by one over [n, m) with this cache gives the same outputs
 as one forward over [0, m). Batch operations (`reorder_cache`, `batch_repeat_interleave`,
 `batch_select_indices`) act on rows of B and move the S folded rows of each together. Rolling back is not
@@ -27,6 +32,69 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from .forward_only_cache import ForwardOnlyCache
 
 STREAM_LAYER_KINDS = ("intra", "local", "full")
+# Tokens of room a growing buffer gains at a time: a reallocation (one copy of the history) per this many
+# decode steps, and at most this many tokens' entries held beyond what is stored.
+GROWTH_BLOCK_TOKENS = 256
+
+
+class BlockGrowthLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values live in buffers that grow by `block` positions at a time.
+
+    `update` writes the new entries into the free room (one reallocation and copy when it runs out), and
+    `keys`/`values` are views of the first `get_seq_length()` positions, so every `DynamicLayer` method that
+    reads or replaces them (crop, batch selection, byte counts) keeps working; a replaced tensor simply
+    moves to a fresh buffer at the next update. While autograd records (entries that require grad), it
+    appends by concatenation as `DynamicLayer` does: an in-place write would invalidate the graph of
+    earlier steps.
+    """
+
+    def __init__(self, block: int) -> None:
+        super().__init__()
+        self.block = block
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, G, L, K) entries; return the (B, G, T + L, K) stored ones (views of the buffers)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.requires_grad or value_states.requires_grad:
+            self.key_buffer = self.value_buffer = None
+            return super().update(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._has_room(key_states, length + new):
+            self._reallocate(key_states, value_states, length, length + new)
+        self.key_buffer[:, :, length : length + new] = key_states
+        self.value_buffer[:, :, length : length + new] = value_states
+        self.keys = self.key_buffer[:, :, : length + new]
+        self.values = self.value_buffer[:, :, : length + new]
+        return self.keys, self.values
+
+    def _has_room(self, key_states: torch.Tensor, needed: int) -> bool:
+        """The buffers still back `keys` (nothing replaced them), fit the new rows and have `needed` room."""
+        buffer = self.key_buffer
+        if buffer is None or buffer.shape[-2] < needed or buffer.shape[:2] != key_states.shape[:2]:
+            return False
+        keys_backed = self.keys.numel() == 0 or self.keys.data_ptr() == buffer.data_ptr()
+        values_backed = self.values.numel() == 0 or self.values.data_ptr() == self.value_buffer.data_ptr()
+        return keys_backed and values_backed
+
+    def _reallocate(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, length: int, needed: int
+    ) -> None:
+        capacity = -(-(needed + self.block) // self.block) * self.block
+        batch, heads, _, _ = key_states.shape
+        self.key_buffer = key_states.new_empty(batch, heads, capacity, key_states.shape[-1])
+        self.value_buffer = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
+        if length:
+            self.key_buffer[:, :, :length] = self.keys
+            self.value_buffer[:, :, :length] = self.values
+
+    def reset(self) -> None:
+        self.key_buffer = self.value_buffer = None
+        super().reset()
 
 
 class StreamCache(ForwardOnlyCache):
@@ -54,7 +122,9 @@ class StreamCache(ForwardOnlyCache):
         if "local" in stream_attention_layout and sliding_window is None:
             raise ValueError("sliding_window=None but the layout has local layers")
         layers = [
-            DynamicSlidingWindowLayer(sliding_window) if kind == "local" else DynamicLayer()
+            DynamicSlidingWindowLayer(sliding_window)
+            if kind == "local"
+            else BlockGrowthLayer(GROWTH_BLOCK_TOKENS * (1 if kind == "intra" else num_streams))
             for kind in stream_attention_layout
         ]
         super().__init__(layers=layers)
