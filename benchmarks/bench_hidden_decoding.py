@@ -55,12 +55,14 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from transformers.cache_utils import Cache
 
 from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig, default_stream_layout
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
+from hf_concept.modeling.stream_cache import GROWTH_BLOCK_TOKENS, BlockGrowthLayer
 
 TARGET_STEP_RATIO = 4.6
 # Issue 18: the paper's serving benchmark keeps 83-88% of the source's tokens/s at batch 1.
@@ -224,17 +226,25 @@ def training_step(model, input_ids: torch.Tensor) -> Callable[[], float]:
     return step
 
 
-def prefill(model, input_ids: torch.Tensor):
-    """(cache, next token (B, 1)) after one cached forward over the prompt."""
-    output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+def prefill(model, input_ids: torch.Tensor, cache: Cache | None = None):
+    """(cache, next token (B, 1)) after one cached forward over the prompt (into `cache` if given)."""
+    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return output.past_key_values, output.logits[:, -1].argmax(dim=-1, keepdim=True)
 
 
-def greedy_decode(model, input_ids: torch.Tensor, steps: int) -> Callable[[], float]:
-    """Prefills once (untimed); each call decodes `steps` greedy cached steps from a copy of that cache
-    and returns their seconds (the copy, also untimed, keeps every round on the same context)."""
+def block_cache(model) -> Cache:
+    """The source's cache in `StreamCache`'s block-growing layers: a baseline without concatenation."""
+    return Cache(
+        layers=[BlockGrowthLayer(GROWTH_BLOCK_TOKENS) for _ in range(model.config.num_hidden_layers)]
+    )
+
+
+def greedy_decode(model, input_ids: torch.Tensor, steps: int, blocks: bool = False) -> Callable[[], float]:
+    """Prefills once (untimed; into `block_cache` when `blocks`); each call decodes `steps` greedy cached
+    steps from a copy of that cache and returns their seconds (the copy, also untimed, keeps every round
+    on the same context)."""
     with torch.inference_mode():
-        prefilled, first_token = prefill(model, input_ids)
+        prefilled, first_token = prefill(model, input_ids, block_cache(model) if blocks else None)
 
     def run() -> float:
         with torch.inference_mode():
@@ -367,11 +377,12 @@ def bench_decode(source, args: argparse.Namespace) -> list[dict]:
             calls = {
                 key: greedy_decode(model, input_ids, args.decode_tokens) for key, model in models.items()
             }
+            calls["source blocks"] = greedy_decode(source, input_ids, args.decode_tokens, blocks=True)
             seconds = interleaved_medians(calls, args.repeats, f"decode B={batch} T={context}")
             del calls
             rates = {key: batch * args.decode_tokens / value for key, value in seconds.items()}
             for key in models:
-                if key != "source":
+                if key not in ("source", "source blocks"):
                     name, streams = key
                     rows.append(
                         dict(
@@ -382,6 +393,8 @@ def bench_decode(source, args: argparse.Namespace) -> list[dict]:
                             source_rate=rates["source"],
                             rate=rates[key],
                             ratio=rates[key] / rates["source"],
+                            blocks_rate=rates["source blocks"],
+                            blocks_ratio=rates[key] / rates["source blocks"],
                         )
                     )
     return rows
@@ -488,16 +501,18 @@ def print_kv(rows: list[dict], args: argparse.Namespace) -> None:
 def print_decode(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n[decode: {args.decode_tokens} greedy cached steps after a prefill of T tokens; tokens/s over the "
-        "batch; the source decodes with transformers' DynamicCache]"
+        "batch; src: the source with transformers' DynamicCache; src blk: the source with the block-growing "
+        "layers HD's StreamCache uses]"
     )
     header = (
         f"{'layout':<10} {'n':>2} {'batch':>5} {'T':>6} {'src tok/s':>10} {'HD tok/s':>10} {'x source':>8}"
     )
-    print(header)
+    print(f"{header} {'src blk':>8} {'x src blk':>9}")
     for row in rows:
         print(
             f"{row['layout']:<10} {row['streams']:>2} {row['batch']:>5} {row['context']:>6} "
-            f"{row['source_rate']:>10.1f} {row['rate']:>10.1f} {row['ratio']:>8.2f}"
+            f"{row['source_rate']:>10.1f} {row['rate']:>10.1f} {row['ratio']:>8.2f} "
+            f"{row['blocks_rate']:>8.1f} {row['blocks_ratio']:>9.2f}"
         )
     target = [
         row

@@ -102,6 +102,12 @@ def test_layout_and_window_options_are_checked_before_anything_is_written():
     with pytest.raises(ValueError, match=r"'ilif' has local layers.*no sliding_window"):
         hidden_decoding_config_from_source(llama, **local)
     assert hidden_decoding_config_from_source(llama, **{**local, "sliding_window": 6}).sliding_window == 6
+    windowed = hidden_decoding_config_from_source(llama, **{**local, "local_window": 3})
+    assert (windowed.local_window, windowed.sliding_window, windowed.intra_window) == (3, 6, None)
+    with pytest.raises(ValueError, match=r"local_window=3 and sliding_window=6: give one"):
+        hidden_decoding_config_from_source(llama, **{**local, "local_window": 3, "sliding_window": 6})
+    with pytest.raises(ValueError, match=r"local_window=3 is unused"):
+        hidden_decoding_config_from_source(llama, **{**CONFIG_DEFAULTS, "num_streams": 2, "local_window": 3})
     with pytest.raises(ValueError, match=r"sliding_window=6 is unused"):
         hidden_decoding_config_from_source(
             llama, **{**CONFIG_DEFAULTS, "num_streams": 2, "sliding_window": 6}
@@ -164,12 +170,18 @@ def test_model_card_lists_the_settings_and_the_layout(tmp_path):
     assert data["base_model"] == "org/tiny-mistral" and data["pipeline_tag"] == "text-generation"
     assert data["tags"] == ["custom_code", "hidden_decoding", "hf_concept"]
     settings = data["hidden_decoding"]
-    # Mistral's sliding layers become local; the window counts expanded positions: 4 tokens x 2 streams.
-    assert settings["stream_attention_layout"] == "llll" and settings["sliding_window"] == 8
+    # Every Mistral layer slides: one layer in four is local, the others intra, all with the source's
+    # 4-token window; sliding_window counts expanded positions: 4 tokens x 2 streams.
+    assert settings["stream_attention_layout"] == "iiil" and settings["sliding_window"] == 8
+    assert settings["local_window"] == settings["intra_window"] == 4
     assert settings["source_model_type"] == "mistral" and settings["num_streams"] == 2
     assert config_of(tmp_path / "dst")["sliding_window"] == 8
     assert "trust_remote_code=True" in card.text and "org/tiny-mistral" in card.text
-    assert "| 3 | local |" in card.text
+    assert "| 3 | local |" in card.text and "| 0 | intra |" in card.text
+    assert (
+        "the last 4 tokens (`intra_window`)" in card.text
+        and "the last 4 tokens (`local_window`)" in card.text
+    )
 
 
 def test_unsupported_sources_and_pickles_are_refused_without_a_destination(tmp_path):
@@ -337,7 +349,9 @@ def test_one_stream_reproduces_every_source_type(tmp_path):
     layouts = {name: config_of(tmp_path / f"{name}-hd")["stream_attention_layout"] for name in jobs}
     assert layouts["llama-tied-linear-rope"] == ["intra", "intra", "intra", "full"]
     assert layouts["qwen2-bias-mixed-window"] == ["intra", "local", "local", "local"]
-    assert set(layouts["mistral-sliding"]) == {"local"}
+    # All layers slide (window 4 < LENGTH = 12): windowed intra layers and one local layer.
+    assert layouts["mistral-sliding"] == ["intra", "intra", "intra", "local"]
+    assert config_of(tmp_path / "mistral-sliding-hd")["intra_window"] == 4
     actual = fresh_process_logits(tmp_path, jobs, batch, "HiddenDecodingForCausalLM")
     for name in jobs:
         assert_close(actual[name][real], expected[name][real], atol=1e-4, rtol=1e-4, msg=name)
@@ -431,3 +445,50 @@ def test_the_conversion_default_keeps_a_trained_source_s_held_out_loss(tmp_path)
     assert losses["source"] < 6.5, losses  # trained: positions only matter to a model that learned them
     assert losses["token"] <= 1.01 * losses["source"], losses
     assert losses["expanded"] > losses["token"], losses
+
+
+def test_a_source_whose_layers_all_slide_gets_sfa_with_windows_in_tokens(tmp_path):
+    """Issue 18 point 2: intra/local layers by the documented rule, windows in tokens, no full layer, and
+    cached decoding past the window equals recomputation."""
+    from transformers import AutoModelForCausalLM
+
+    four_layer_source(tmp_path / "src", "mistral-sliding")
+    convert_to_hidden_decoding(tmp_path / "src", tmp_path / "dst", num_streams=4, cross_every=2)
+    config = config_of(tmp_path / "dst")
+    assert config["stream_attention_layout"] == ["intra", "local", "intra", "local"]
+    assert (config["local_window"], config["intra_window"], config["sliding_window"]) == (4, 4, 16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", trust_remote_code=True).eval()
+    input_ids, attention_mask, _ = padded_batch()
+    settings = dict(attention_mask=attention_mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    cached = model.generate(input_ids, **settings)
+    assert torch.equal(cached, model.generate(input_ids, use_cache=False, **settings))
+    # A full layer, or an intra one beside full source layers, would see past a source layer's window.
+    with pytest.raises(
+        ValueError, match=r"'iiif': layer 3 is 'full', but source layer 3 uses a sliding window"
+    ):
+        convert_to_hidden_decoding(
+            tmp_path / "src", tmp_path / "bad", num_streams=2, stream_attention_layout="iiif"
+        )
+    four_layer_source(tmp_path / "mixed", "qwen2-bias-mixed-window", max_window_layers=2)
+    with pytest.raises(
+        ValueError, match=r"layer 2 is 'intra'.*cannot keep beside full-attention source layers"
+    ):
+        convert_to_hidden_decoding(
+            tmp_path / "mixed", tmp_path / "bad", num_streams=2, stream_attention_layout="iiil"
+        )
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_takes_the_local_window_in_tokens(tmp_path, capsys):
+    four_layer_source(tmp_path / "src", "mistral-sliding")
+    status, _ = run_cli(
+        capsys, "convert", "hidden-decoding", str(tmp_path / "src"), str(tmp_path / "dst"), "--streams", "3",
+        "--local-window", "2",
+    )  # fmt: skip
+    assert status == 0
+    config = config_of(tmp_path / "dst")
+    assert (config["local_window"], config["sliding_window"], config["intra_window"]) == (2, 6, 4)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "hidden-decoding", str(tmp_path / "src"), str(tmp_path / "x"), "--streams", "2",
+              "--local-window", "2", "--sliding-window", "4"])  # fmt: skip
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -81,8 +81,10 @@ def test_one_stream_reproduces_the_plain_model(backbone, cross_every):
     torch.manual_seed(0)
     plain = PlainDecoderForCausalLM(PlainDecoderConfig(**BACKBONE, **backbone)).eval()
     layout = default_stream_layout(4, cross_every, plain.config.layer_types)
+    # Every layer of the sliding backbone slides: its intra layers keep the window (conversion's rule).
+    windows = {"intra_window": 4} if backbone.get("sliding_window") and "intra" in layout else {}
     hd = HiddenDecodingForCausalLM(
-        HiddenDecodingConfig(**BACKBONE, **backbone, num_streams=1, stream_attention_layout=layout)
+        HiddenDecodingConfig(**BACKBONE, **backbone, **windows, num_streams=1, stream_attention_layout=layout)
     ).eval()
     hd.load_state_dict(plain.state_dict())
     input_ids = ids(2, 11)

@@ -93,6 +93,11 @@ def test_hidden_decoding_card_lists_the_layer_layout(tmp_path):
     rows = [f"| {index} | {kind} |" for index, kind in enumerate(["intra", "local", "intra", "full"])]
     assert all(row in text for row in rows)
     assert "`sliding_window` (5) counts expanded positions, in which every token occupies\n3 slots" in text
+    config = SPECS["hidden-decoding"].make_config()
+    config.local_window, config.sliding_window = 2, 6
+    config.save_pretrained(tmp_path / "tokens")
+    _, text = card_of(write_model_card(tmp_path / "tokens"))
+    assert "A `local` layer sees the last 2 tokens: `sliding_window` =\n6 positions" in text
 
 
 def test_minimal_card_has_no_results_and_loads_from_the_folder(tmp_path):

@@ -109,16 +109,30 @@ def _add_hidden_decoding(targets: argparse._SubParsersAction) -> None:
         metavar="PATTERN",
         help="Stream attention per layer: kinds or letters i/l/f, comma-separated, each optionally *TIMES "
         "(e.g. 'intra,intra,intra,full', 'iiif*2'); must give one entry per layer. Default: the source's "
-        "sliding-window layers are local, every K-th other layer full, the rest intra.",
+        "sliding-window layers are local, every K-th other layer full, the rest intra; a source whose "
+        "layers all slide gets every K-th layer local and the rest intra (windowed like the source).",
     )
     parser.add_argument(
-        "--cross-every", type=int, default=4, metavar="K", help="Default layout: every K-th layer is full."
+        "--cross-every",
+        type=int,
+        default=4,
+        metavar="K",
+        help="Default layout: every K-th layer is cross-stream (full; local when all source layers slide).",
     )
-    parser.add_argument(
+    windows = parser.add_mutually_exclusive_group()
+    windows.add_argument(
+        "--local-window",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="Tokens a local layer sees (default: the source's sliding window).",
+    )
+    windows.add_argument(
         "--sliding-window",
         type=int,
         default=None,
-        help="Window of local layers in expanded positions (default: the source's window x streams).",
+        metavar="POSITIONS",
+        help="The local window in expanded positions (n per token) instead of tokens.",
     )
     parser.add_argument(
         "--intra-stream-positions",
@@ -177,6 +191,7 @@ def _convert_hidden_decoding(args: argparse.Namespace) -> Path:
         stream_attention_layout=args.layout,
         cross_every=args.cross_every,
         sliding_window=args.sliding_window,
+        local_window=args.local_window,
         intra_stream_positions=args.intra_stream_positions,
         stream_kv=args.stream_kv,
         dtype=args.dtype,

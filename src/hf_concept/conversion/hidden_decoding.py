@@ -6,12 +6,16 @@ Conversion contract (`convert_to_hidden_decoding`):
   `E.repeat(1, n)` of shape (V, n·D): stream k reads columns k·D:(k+1)·D, and all n start equal.
 - `lm_head.weight` is always written: Hidden Decoding never ties its head (n tables cannot tie to one
   head), so a tied source gets a copy of its embedding as the head.
-- Layout: one of "intra" / "local" / "full" per layer. By default the source's sliding-window layers
-  become `local` and, among the others, every `cross_every`-th layer is `full` (Appendix H: one
-  cross-stream layer in four), the rest `intra`. A layout can also be given as a pattern (see
-  `parse_stream_layout`).
-- `sliding_window` counts expanded positions, where each token occupies n slots; the converted window
-  is the source's window × n, so a `local` layer covers as many tokens as the source layer did.
+- Layout: one of "intra" / "local" / "full" per layer (`default_stream_layout`, Appendix H: one
+  cross-stream layer in `cross_every`). A source with full-attention layers: its sliding-window layers
+  become `local`, among the others every `cross_every`-th layer is `full`, the rest `intra`. A source
+  whose layers all slide (Mistral 7B v0.1): every `cross_every`-th layer is `local`, the rest `intra`,
+  and no layer is `full`. A layout can also be given as a pattern (see `parse_stream_layout`); a source
+  layer with a sliding window can only become `local` (or `intra` when all source layers slide).
+- Windows are in tokens: `local_window` (default: the source's window; the config derives
+  `sliding_window` = local_window × n expanded positions, each token occupying n slots) and, for a source
+  whose layers all slide, `intra_window` = the source's window. Each stream, and the final stream of a
+  local layer, then sees the tokens the source layer saw.
 - With n = 1 every layer kind computes the source's attention, so the converted model gives the source
   model's logits.
 - `intra_stream_positions` defaults to "token" here (one RoPE position per token, as the source was
@@ -127,21 +131,61 @@ def compact_layout(layout: Sequence[str]) -> str:
     return "".join(kind[0] for kind in layout)
 
 
-def _local_window(layout: list[str], source_window: int | None, num_streams: int, sliding_window: Any):
-    """Window of `local` layers in expanded positions: `sliding_window` if given, else source × n;
-    None when no layer is local."""
+def _check_source_layers(
+    layout: list[str], source_layer_types: list[str], source_window: int | None, every_layer_slides: bool
+) -> None:
+    """A sliding-window source layer may become `local`, or `intra` when every source layer slides (the
+    intra layers then share the source's window); `full`, or `intra` beside full source layers, would see
+    past the window the layer was trained with."""
+    for index, (kind, source_kind) in enumerate(zip(layout, source_layer_types, strict=True)):
+        if source_kind != "sliding_attention" or kind == "local" or (kind == "intra" and every_layer_slides):
+            continue
+        reason = "would see past" if kind == "full" else "cannot keep beside full-attention source layers"
+        raise ValueError(
+            f"stream_attention_layout={compact_layout(layout)!r}: layer {index} is {kind!r}, but source "
+            f"layer {index} uses a sliding window of {source_window} tokens, which a {kind} layer {reason}; "
+            "make it local"
+        )
+
+
+def _window_fields(
+    layout: list[str],
+    source_layer_types: list[str],
+    source_window: int | None,
+    local_window: Any,
+    sliding_window: Any,
+) -> dict[str, int]:
+    """The converted config's windows: `local_window` (tokens; default the source's window) or the
+    fine-grained `sliding_window` (expanded positions) for local layers, and `intra_window` = the source's
+    window for the intra layers of a source whose layers all slide."""
+    from hf_concept.modeling.configuration_hidden_decoding import all_sliding
+
+    every_layer_slides = all_sliding(source_layer_types)
+    _check_source_layers(layout, source_layer_types, source_window, every_layer_slides)
+    fields = {}
     if "local" not in layout:
-        if sliding_window is not None:
-            raise ValueError(f"sliding_window={sliding_window!r} is unused: the layout has no local layer")
-        return None
-    if sliding_window is not None:
-        return _check_positive_int("sliding_window", sliding_window)
-    if source_window is None:
+        for name, value in (("local_window", local_window), ("sliding_window", sliding_window)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} is unused: the layout has no local layer")
+    elif local_window is not None and sliding_window is not None:
+        raise ValueError(
+            f"local_window={local_window!r} and sliding_window={sliding_window!r}: give one (local_window in "
+            "tokens, or sliding_window in expanded positions)"
+        )
+    elif sliding_window is not None:
+        fields["sliding_window"] = _check_positive_int("sliding_window", sliding_window)
+    elif local_window is not None:
+        fields["local_window"] = _check_positive_int("local_window", local_window)
+    elif source_window is None:
         raise ValueError(
             f"stream_attention_layout={compact_layout(layout)!r} has local layers but the source has no "
-            "sliding_window; pass sliding_window (in expanded positions)"
+            "sliding_window; pass local_window (tokens)"
         )
-    return source_window * num_streams
+    else:
+        fields["local_window"] = source_window
+    if "intra" in layout and every_layer_slides:
+        fields["intra_window"] = source_window
+    return fields
 
 
 def hidden_decoding_config_from_source(
@@ -153,6 +197,7 @@ def hidden_decoding_config_from_source(
     intra_stream_positions: str,
     stream_kv: str,
     sliding_window: int | None,
+    local_window: int | None = None,
 ):
     """A HiddenDecodingConfig with the source's backbone fields and the conversion options."""
     from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig, default_stream_layout
@@ -165,15 +210,16 @@ def hidden_decoding_config_from_source(
         layout = default_stream_layout(layers, cross_every, plain.layer_types)
     else:
         layout = parse_stream_layout(stream_attention_layout, layers)
+    windows = _window_fields(layout, plain.layer_types, plain.sliding_window, local_window, sliding_window)
     fields = plain.to_dict()
     # layer_types is derived from the layout; the head is never tied (n tables, one head).
     for key in (*_FILE_KEYS, "layer_types", "sliding_window", "tie_word_embeddings"):
         fields.pop(key, None)
     return HiddenDecodingConfig(
         **fields,
+        **windows,
         num_streams=num_streams,
         stream_attention_layout=layout,
-        sliding_window=_local_window(layout, plain.sliding_window, num_streams, sliding_window),
         intra_stream_positions=intra_stream_positions,
         stream_kv=stream_kv,
         tie_word_embeddings=False,
@@ -242,6 +288,7 @@ def convert_to_hidden_decoding(
     intra_stream_positions: str = "token",
     stream_kv: str = "per_stream",
     sliding_window: int | None = None,
+    local_window: int | None = None,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
@@ -252,12 +299,13 @@ def convert_to_hidden_decoding(
     with `num_streams` streams; returns `dst`.
 
     `stream_attention_layout` is a list of kinds or a pattern (`parse_stream_layout`); None derives it
-    from the source (`default_stream_layout` with `cross_every`). `sliding_window` (expanded positions)
-    defaults to the source's window × num_streams. `dtype` defaults to the source's; `base_model` names
-    the source in the model card (default: the `src` path). Raises ValueError, with `dst` left untouched,
-    for an unsupported model_type, a bad option, missing/corrupt shards, NaN/inf weights, shape
-    mismatches, `.bin` weights without `allow_pickle=True`, a `dst` that is, contains or lies inside
-    `src` (even with `overwrite=True`), or an existing non-empty `dst` without `overwrite=True`.
+    from the source (`default_stream_layout` with `cross_every`). `local_window` (tokens) defaults to the
+    source's window; `sliding_window` (expanded positions) replaces it where needed. `dtype` defaults to
+    the source's; `base_model` names the source in the model card (default: the `src` path). Raises
+    ValueError, with `dst` left untouched, for an unsupported model_type, a bad option, missing/corrupt
+    shards, NaN/inf weights, shape mismatches, `.bin` weights without `allow_pickle=True`, a `dst` that
+    is, contains or lies inside `src` (even with `overwrite=True`), or an existing non-empty `dst` without
+    `overwrite=True`.
     """
     src = Path(src)
     dst = check_destination(dst, overwrite, source=src)
@@ -271,6 +319,7 @@ def convert_to_hidden_decoding(
         intra_stream_positions=intra_stream_positions,
         stream_kv=stream_kv,
         sliding_window=sliding_window,
+        local_window=local_window,
     )
     dtype = resolve_dtype(dtype, source_config)
     check_safetensors_files(src)

@@ -4,9 +4,18 @@ Every backbone field is the plain family's (same names, same meaning, same check
 fields (HD paper §2, DESIGN §4):
 - `num_streams` (n): each token enters the backbone as n streams with their own embedding tables.
 - `stream_attention_layout`: per layer, "intra" (each stream attends to its own stream only), "local"
-  (causal sliding window of `sliding_window` expanded positions over the interleaved sequence) or "full"
-  (causal over all n·L expanded positions). `layer_types` is derived from it ("sliding_attention" for
-  local layers), so the shared attention code picks the window up unchanged.
+  (causal sliding window over the interleaved sequence, `local_window` tokens wide) or "full" (causal over
+  all n·L expanded positions). `layer_types` is derived from it ("sliding_attention" for local layers),
+  so the shared attention code picks the window up unchanged.
+- `local_window` (tokens): how many tokens a local layer sees, the current one included: the final
+  stream of token i sees every stream of tokens i - local_window + 1 … i. The shared attention and mask
+  code read `sliding_window`, which counts expanded positions (n per token); it is derived here as
+  local_window × n. Setting `sliding_window` alone (a window in expanded positions, need not be a
+  multiple of n) is the fine-grained form; setting both requires them to agree.
+- `intra_window` (tokens; None = unbounded, the paper's): how many tokens of its own stream an intra
+  layer sees, the current one included. Converting a source whose layers all use a sliding window sets it
+  to the source's window, so that each stream sees what the source layer saw (and n = 1 stays the
+  source at any length).
 - `intra_stream_positions`: RoPE positions inside intra layers, "expanded" (p·n + k, the paper; the
   default here, for models trained from scratch) or "token" (p, one position per token; the conversion
   default, since a pretrained source knows only token distances: converting a source with held-out loss
@@ -39,23 +48,36 @@ STREAM_SUPERVISION_KINDS = ("final", "all_streams", "sum")
 DEFAULT_CROSS_EVERY = 4
 
 
+def all_sliding(source_layer_types: list[str] | None) -> bool:
+    """Whether every layer of a source uses a sliding window (Mistral 7B v0.1, windowed Mixtral)."""
+    return bool(source_layer_types) and all(kind == "sliding_attention" for kind in source_layer_types)
+
+
 def default_stream_layout(
     num_hidden_layers: int,
     cross_every: int = DEFAULT_CROSS_EVERY,
     source_layer_types: list[str] | None = None,
 ) -> list[str]:
-    """Per-layer stream attention: a source's sliding-window layers become "local" (HD §2.2 reuses them
-    as the cross-stream layers); among the others, layer i is "full" when i % cross_every ==
-    cross_every - 1 and "intra" otherwise (so cross_every=1 makes every layer cross-stream)."""
+    """Per-layer stream attention (SFA, HD §2.2 and Appendix H), one cross-stream layer in `cross_every`:
+    - a source with full-attention layers (all or some): its sliding-window layers become "local" (HD
+      §2.2 reuses them as the cross-stream layers); among the others, layer i is "full" when
+      i % cross_every == cross_every - 1 and "intra" otherwise;
+    - a source whose layers all use a sliding window: layer i is "local" when i % cross_every ==
+      cross_every - 1 and "intra" otherwise (no layer may see past the source's window, so there are
+      no full layers; conversion gives the intra layers the source's window as `intra_window`).
+    cross_every=1 makes every layer cross-stream."""
     if not (_is_int(cross_every) and cross_every >= 1):
         raise ValueError(f"cross_every={cross_every!r} must be a positive integer")
     if source_layer_types is not None and len(source_layer_types) != num_hidden_layers:
         raise ValueError(
             f"source_layer_types has {len(source_layer_types)} entries, expected {num_hidden_layers}"
         )
+    cross = "local" if all_sliding(source_layer_types) else "full"
     layout = []
     for index in range(num_hidden_layers):
-        if source_layer_types is not None and source_layer_types[index] == "sliding_attention":
+        if cross == "local":
+            layout.append("local" if index % cross_every == cross_every - 1 else "intra")
+        elif source_layer_types is not None and source_layer_types[index] == "sliding_attention":
             layout.append("local")
         else:
             layout.append("full" if index % cross_every == cross_every - 1 else "intra")
@@ -69,7 +91,8 @@ def layer_types_of_layout(layout: list[str]) -> list[str]:
 class HiddenDecodingConfig(PlainDecoderConfig):
     """Config of `HiddenDecodingForCausalLM`: a plain backbone run over n interleaved streams per token.
 
-    `sliding_window` counts expanded positions (n per token) and is required when a layer is "local".
+    A "local" layer needs its window: `local_window` in tokens (or `sliding_window` in expanded positions,
+    n per token; the one is derived from the other, see the module docstring).
     """
 
     model_type = "hidden_decoding"
@@ -80,6 +103,8 @@ class HiddenDecodingConfig(PlainDecoderConfig):
     intra_stream_positions: str = "expanded"
     stream_kv: str = "per_stream"
     stream_supervision: str = "final"
+    local_window: int | None = None
+    intra_window: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.stream_attention_layout, tuple):
@@ -88,6 +113,7 @@ class HiddenDecodingConfig(PlainDecoderConfig):
         # A layer count out of range is left for check_fields to name, not turned into a huge layout.
         if self.stream_attention_layout is None and _is_int(layers) and 0 < layers <= MAX_COUNT:
             self.stream_attention_layout = default_stream_layout(layers)
+        self._derive_sliding_window()
         layout = self.stream_attention_layout
         if isinstance(layout, list) and all(kind in STREAM_ATTENTION_KINDS for kind in layout):
             derived = layer_types_of_layout(layout)
@@ -102,6 +128,19 @@ class HiddenDecodingConfig(PlainDecoderConfig):
         auto_map.update(kwargs.pop("auto_map", None) or {})
         kwargs["auto_map"] = auto_map
         super().__post_init__(**kwargs)
+
+    def _derive_sliding_window(self) -> None:
+        """sliding_window (expanded positions) = local_window (tokens) × num_streams; a conflict is named."""
+        window, streams = self.local_window, self.num_streams
+        if window is None or not (_is_int(window) and _is_int(streams) and window > 0 and streams > 0):
+            return  # nothing to derive, or check_fields names the bad value
+        derived = window * streams
+        if self.sliding_window is not None and self.sliding_window != derived:
+            raise ValueError(
+                f"sliding_window={self.sliding_window!r} conflicts with local_window={window} tokens × "
+                f"num_streams={streams} = {derived} expanded positions; set local_window only"
+            )
+        self.sliding_window = derived
 
     def check_fields(self) -> None:
         """Raise ValueError naming the first invalid field and its value."""
@@ -126,10 +165,19 @@ class HiddenDecodingConfig(PlainDecoderConfig):
             raise ValueError(
                 f"stream_attention_layout={layout!r} has {unknown}; allowed: {STREAM_ATTENTION_KINDS}"
             )
+        for name in ("local_window", "intra_window"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 1 <= value <= MAX_SIZE):
+                raise ValueError(f"{name}={value!r} must be None or an integer in [1, {MAX_SIZE}] (tokens)")
         if "local" in layout and self.sliding_window is None:
             raise ValueError(
-                f"sliding_window=None but stream_attention_layout={layout!r} has local layers; set the "
-                "window in expanded positions"
+                f"local_window=None and sliding_window=None but stream_attention_layout={layout!r} has local "
+                "layers; set local_window (tokens)"
+            )
+        if self.intra_window is not None and self.stream_kv == "shared":
+            raise ValueError(
+                f"intra_window={self.intra_window} cannot hold with stream_kv='shared' (the shared-KV "
+                "ablation has no windowed form); leave intra_window=None"
             )
         if self.intra_stream_positions not in INTRA_STREAM_POSITIONS:
             raise ValueError(

@@ -29,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -199,6 +200,9 @@ class StreamDecoderLayer(DecoderLayer):
             self.self_attn.num_streams = config.num_streams
         else:
             self.self_attn = StreamAttention(config, layer_idx)
+            if self.stream_kind == "intra" and config.intra_window is not None:
+                # Tokens of its own stream; the mask enforces it, kernels that take a window read it here.
+                self.self_attn.sliding_window = config.intra_window
 
 
 class HiddenDecodingPreTrainedModel(PreTrainedModel):
@@ -280,7 +284,11 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         """An empty `StreamCache` shaped for this model's layout."""
         config = self.config
         return StreamCache(
-            config.stream_attention_layout, config.num_streams, config.sliding_window, config.stream_kv
+            config.stream_attention_layout,
+            config.num_streams,
+            config.sliding_window,
+            config.stream_kv,
+            intra_window=config.intra_window,
         )
 
     def _stream_cache(self, past_key_values: Cache | None, use_cache: bool) -> StreamCache | None:
@@ -312,6 +320,13 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         expanded_rope = self.rotary_emb(stream_states, expanded_ids) if kinds & {"local", "full"} else None
         folded_rope = self.rotary_emb(stream_states, folded_ids) if "intra" in kinds else None
         return StreamPositions(expanded_ids, expanded_rope, folded_ids, folded_rope)
+
+    @property
+    def intra_mask_config(self) -> HiddenDecodingConfig:
+        """A copy of the config whose `sliding_window` is the intra layers' window (tokens)."""
+        intra = copy.copy(self.config)
+        intra.sliding_window = self.config.intra_window
+        return intra
 
     def stream_masks(
         self,
@@ -361,8 +376,11 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
                     **common,
                 )
             else:
-                masks.intra = create_causal_mask(
-                    config=config,
+                windowed = config.intra_window is not None
+                # masking_utils reads the window from config.sliding_window: give it the intra one (tokens).
+                build = create_sliding_window_causal_mask if windowed else create_causal_mask
+                masks.intra = build(
+                    config=self.intra_mask_config if windowed else config,
                     inputs_embeds=probe(batch * streams, length),
                     attention_mask=None
                     if attention_mask is None

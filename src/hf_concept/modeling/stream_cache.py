@@ -3,8 +3,9 @@
 Legend: B batch, S streams (the paper's n), T cached tokens, G key/value heads, K head dim, W window.
 
 One layer store per decoder layer, by the layer's stream attention kind:
-- "intra", stream_kv "per_stream": a `DynamicLayer` over the streams folded into the batch,
-  (B·S, G, T, K), row b·S + k holding stream k of row b;
+- "intra", stream_kv "per_stream": a growing layer over the streams folded into the batch,
+  (B·S, G, T, K), row b·S + k holding stream k of row b (a `DynamicSlidingWindowLayer` keeping
+  intra_window - 1 tokens when the intra layers have a window);
 - "intra", stream_kv "shared": a `DynamicLayer` (B, G, T, K) holding the final stream only;
 - "full": a `DynamicLayer` over the interleaved sequence, (B, G, S·T, K);
 - "local": a `DynamicSlidingWindowLayer` over the interleaved sequence (at most W - 1 slots kept).
@@ -105,9 +106,10 @@ class StreamCache(ForwardOnlyCache):
         num_streams: S.
         sliding_window: W of the local layers, in expanded positions (None when there are none).
         stream_kv: "per_stream" or "shared" (intra layers keep only the final stream).
+        intra_window: window of the intra layers in tokens (None: unbounded).
     """
 
-    rollback_reason = "local layers keep a rolling window"
+    rollback_reason = "local and windowed intra layers keep a rolling window"
 
     def __init__(
         self,
@@ -115,18 +117,21 @@ class StreamCache(ForwardOnlyCache):
         num_streams: int,
         sliding_window: int | None = None,
         stream_kv: str = "per_stream",
+        intra_window: int | None = None,
     ) -> None:
         unknown = sorted({kind for kind in stream_attention_layout if kind not in STREAM_LAYER_KINDS})
         if unknown:
             raise ValueError(f"stream_attention_layout has {unknown}; allowed: {STREAM_LAYER_KINDS}")
         if "local" in stream_attention_layout and sliding_window is None:
             raise ValueError("sliding_window=None but the layout has local layers")
-        layers = [
-            DynamicSlidingWindowLayer(sliding_window)
-            if kind == "local"
-            else BlockGrowthLayer(GROWTH_BLOCK_TOKENS * (1 if kind == "intra" else num_streams))
-            for kind in stream_attention_layout
-        ]
+        layers = []
+        for kind in stream_attention_layout:
+            if kind == "local":
+                layers.append(DynamicSlidingWindowLayer(sliding_window))
+            elif kind == "intra" and intra_window is not None:
+                layers.append(DynamicSlidingWindowLayer(intra_window))
+            else:
+                layers.append(BlockGrowthLayer(GROWTH_BLOCK_TOKENS * (1 if kind == "intra" else num_streams)))
         super().__init__(layers=layers)
         self.layout = list(stream_attention_layout)
         self.num_streams = num_streams

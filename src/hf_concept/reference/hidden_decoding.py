@@ -7,7 +7,8 @@ positions, position t holding token t // S, stream t % S.
 `HiddenDecodingForCausalLM`'s logits with the model's own weights but none of its fast paths: no folding of
 streams into the batch, no cache, no masking_utils. Each layer attends over all S·L positions through a
 dense (S·L) x (S·L) boolean mask built from the definitions (HD eq. 4, §5.2, DESIGN §4):
-- intra: same stream, earlier or equal token; RoPE at p·S + k ("expanded") or p ("token");
+- intra: same stream, earlier or equal token, fewer than `intra_window` tokens back when set; RoPE at
+  p·S + k ("expanded") or p ("token");
 - shared-KV intra: itself, plus the final stream of earlier tokens;
 - local: earlier or equal expanded position, fewer than `sliding_window` positions back;
 - full: earlier or equal expanded position;
@@ -28,7 +29,9 @@ def _token_layout(attention_mask: torch.Tensor, position_ids: torch.Tensor):
     return starts.long().cumsum(1), attention_mask.bool()
 
 
-def stream_mask(kind: str, num_streams: int, documents, real, sliding_window=None, shared=False):
+def stream_mask(
+    kind: str, num_streams: int, documents, real, sliding_window=None, shared=False, intra_window=None
+):
     """(B, S·L, S·L) boolean: may expanded position t attend to t'?"""
     length = documents.shape[1]
     expanded = torch.arange(length * num_streams)
@@ -39,6 +42,8 @@ def stream_mask(kind: str, num_streams: int, documents, real, sliding_window=Non
         allowed = (expanded[None, :] == expanded[:, None]) | final_earlier
     elif kind == "intra":
         allowed = causal & (stream[None, :] == stream[:, None])
+        if intra_window is not None:
+            allowed = allowed & (token[:, None] - token[None, :] < intra_window)
     elif kind == "local":
         allowed = causal & (expanded[:, None] - expanded[None, :] < sliding_window)
     else:
@@ -87,7 +92,13 @@ def reference_logits(model, input_ids, attention_mask=None, position_ids=None) -
             positions = token_positions
         cos, sin = backbone.rotary_emb(states, positions)
         mask = stream_mask(
-            kind, streams, documents, real, config.sliding_window, shared=config.stream_kv == "shared"
+            kind,
+            streams,
+            documents,
+            real,
+            config.sliding_window,
+            shared=config.stream_kv == "shared",
+            intra_window=config.intra_window,
         )
         states = states + _attention(layer.self_attn, layer.input_layernorm(states), cos, sin, mask)
         mixed = layer.mlp(layer.post_attention_layernorm(states))
