@@ -80,11 +80,17 @@ def named_tensors(count: int, size: int = 100) -> list[tuple[str, torch.Tensor]]
 
 
 def test_parse_size():
+    from huggingface_hub.serialization._base import parse_size_to_int
+
     assert parse_size("2GB") == 2 * 10**9
     assert parse_size("40KB") == 40_000
     assert parse_size("1GiB") == 2**30
     assert parse_size(123) == 123
-    for bad in ("", "ten MB", "-1GB", 0, "0KB"):
+    assert parse_size("1000") == parse_size("1000B") == 1000
+    # Decimal units mean what they mean to save_pretrained(max_shard_size=...).
+    for size in ("2GB", "500MB", "1.5GB", "20KB", "1TB", " 3 mb "):
+        assert parse_size(size) == parse_size_to_int(size)
+    for bad in ("", "ten MB", "-1GB", 0, "0KB", "infGB", 1.5, None):
         with pytest.raises(ValueError, match="max_shard_size"):
             parse_size(bad)
 
@@ -122,6 +128,36 @@ def test_one_shard_is_model_safetensors_and_oversized_tensors_get_their_own(tmp_
     assert len(writer.finish()) == 3
     with pytest.raises(ValueError, match=r"tensor\.0"):
         writer.add("tensor.0", torch.zeros(1))
+
+
+def test_shards_and_index_are_what_save_torch_state_dict_writes(tmp_path):
+    """Streamed in the same order, the shards hold the same tensors under the same names, and the index
+    has the same weight map and total size, as huggingface_hub's planner gives for the whole dict;
+    an oversized tensor in the middle gets its own shard while the open one stays open."""
+    from huggingface_hub import save_torch_state_dict
+
+    sizes = [30, 20, 300, 5, 90, 10, 50, 500, 5]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    state = {
+        f"layer.{index}.weight": torch.randn(size).to(dtypes[index % 3]) for index, size in enumerate(sizes)
+    }
+    streamed, library = tmp_path / "streamed", tmp_path / "library"
+    streamed.mkdir()
+    library.mkdir()
+    written = write_tensors(streamed, iter(state.items()), max_shard_size=200)
+    save_torch_state_dict(state, library, max_shard_size=200)
+    assert entries(streamed) == entries(library)
+    assert len(written) == 6
+    ours = json.loads((streamed / "model.safetensors.index.json").read_text())
+    theirs = json.loads((library / "model.safetensors.index.json").read_text())
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
+    for path in written:
+        shard, expected = load_file(path), load_file(library / path.name)
+        assert shard.keys() == expected.keys()
+        assert all(torch.equal(shard[name], expected[name]) for name in shard)
+    # layer.2 (600 bytes) went out on its own while layers 0, 1 and 3 shared the shard it interrupted.
+    assert len({ours["weight_map"][f"layer.{index}.weight"] for index in (0, 1, 3)}) == 1
 
 
 def test_split_views_are_written_as_separate_tensors(tmp_path):
@@ -316,6 +352,38 @@ def test_written_config_and_remote_code_load_through_the_auto_classes(tmp_path):
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     base = AutoModel.from_pretrained(destination, trust_remote_code=True)
     assert type(base).__name__ == "PlainDecoderModel"
+
+
+def test_written_remote_code_is_what_save_pretrained_writes(tmp_path):
+    """The same .py files, byte for byte, and the same auto_map as save_pretrained of the registered
+    classes; config.json has every field, not only those that differ from the defaults."""
+    torch.manual_seed(0)
+    config = PlainDecoderConfig(**TINY_LLAMA)
+    PlainDecoderForCausalLM(config).save_pretrained(tmp_path / "saved")
+    (tmp_path / "written").mkdir()
+    write_config_with_remote_code(
+        tmp_path / "written",
+        PlainDecoderConfig(**TINY_LLAMA),
+        {"AutoModel": PlainDecoderModel, "AutoModelForCausalLM": PlainDecoderForCausalLM},
+    )
+    code = {
+        folder: {path.name: path.read_bytes() for path in (tmp_path / folder).glob("*.py")}
+        for folder in ("saved", "written")
+    }
+    assert code["written"] == code["saved"] and len(code["saved"]) >= 3
+    saved, written = (
+        json.loads((tmp_path / folder / "config.json").read_text()) for folder in ("saved", "written")
+    )
+    assert written["auto_map"] == saved["auto_map"]
+    assert set(saved) - {"transformers_version"} <= set(written)
+
+
+def test_an_unregistered_config_class_is_refused(tmp_path):
+    config = PlainDecoderConfig(**TINY_LLAMA)
+    config._auto_class = None
+    with pytest.raises(ValueError, match="register_for_auto_class"):
+        write_config_with_remote_code(tmp_path, config, {"AutoModelForCausalLM": PlainDecoderForCausalLM})
+    assert entries(tmp_path) == []
 
 
 def convert_tiny(tmp_path, name: str = "dst", source=None, **options):

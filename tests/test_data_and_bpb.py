@@ -266,3 +266,59 @@ def test_script_quick_run_and_reloaded_checkpoint_agree(tmp_path):
     second = run_script("--no-baseline", "--model", str(saved))
     assert second.returncode == 0, second.stderr[-2000:]
     assert table_row(second.stdout, "gpt2-byte")[-3:] == row[-3:]
+
+
+def lm_eval_rolling_nats(model: nn.Module, tokenizer, text: str, max_length: int) -> float:
+    """-log p of `text` as lm-evaluation-harness's `loglikelihood_rolling` scores it, one block at a time.
+
+    Its documented rule: encode the text with the tokenizer's default special tokens, predict every
+    token, the first from a prefix token (bos, else eos); the first block predicts tokens 0..L-1 from
+    <prefix> + tokens 0..L-2; each later block predicts the next L tokens (fewer at the end) reading the
+    L tokens that end just before its last token."""
+    tokens = tokenizer.encode(text)
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    total, predicted = 0.0, 0
+    while predicted < len(tokens):
+        count = min(max_length, len(tokens) - predicted)
+        end = predicted + count
+        inputs = [prefix, *tokens[: count - 1]] if predicted == 0 else tokens[end - max_length - 1 : end - 1]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([inputs])).logits[0, len(inputs) - count :]
+        targets = torch.tensor(tokens[predicted:end])
+        total += F.cross_entropy(logits.double(), targets, reduction="sum").item()
+        predicted = end
+    return total
+
+
+@pytest.mark.parametrize(("text", "max_length"), [(MIXED_TEXT * 5, 16), (MIXED_TEXT * 5, None), ("a", 4)])
+def test_lm_eval_convention_reproduces_lm_evals_rolling_loglikelihood(tiny_gpt2, tokenizer, text, max_length):
+    result = bits_per_byte(tiny_gpt2, tokenizer, text, context=max_length, batch_size=3, convention="lm-eval")
+    expected = lm_eval_rolling_nats(tiny_gpt2, tokenizer, text, max_length or 128)
+    assert result.num_bytes == len(text.encode("utf-8"))
+    assert result.nats == pytest.approx(expected, rel=1e-9)
+    # lm-eval's bits_per_byte: -(sum of log-likelihoods) / (sum of UTF-8 bytes) / ln 2.
+    assert result.bits_per_byte == pytest.approx(expected / len(text.encode("utf-8")) / math.log(2), abs=1e-9)
+
+
+def test_lm_eval_convention_also_scores_the_special_tokens(tokenizer):
+    # <BoS> (after the <BoS> prefix) and <eos> are predicted too, over the same byte count.
+    text = load_text("en", "heldout")[:300]
+    num_bytes = len(text.encode("utf-8"))
+    result = bits_per_byte(Uniform(), tokenizer, text, context=64, convention="lm-eval")
+    assert result.num_bytes == num_bytes
+    assert result.bits_per_byte == pytest.approx(
+        math.log2(VOCAB_SIZE) * (num_bytes + 2) / num_bytes, rel=1e-12
+    )
+
+
+def test_lm_eval_convention_arguments(tiny_gpt2, tokenizer):
+    with pytest.raises(ValueError, match="convention='lm_eval'"):
+        bits_per_byte(tiny_gpt2, tokenizer, "abc", convention="lm_eval")
+    with pytest.raises(ValueError, match="stride=4 must be None"):
+        bits_per_byte(tiny_gpt2, tokenizer, "abc", context=8, stride=4, convention="lm-eval")
+    with pytest.raises(ValueError, match="context=129 exceeds the model's 128 positions"):
+        bits_per_byte(tiny_gpt2, tokenizer, "abc", context=129, convention="lm-eval")
+    with pytest.raises(ValueError, match="text=''"):
+        bits_per_byte(tiny_gpt2, tokenizer, "", convention="lm-eval")
+    with pytest.raises(ValueError, match="names no positions limit"):
+        bits_per_byte(Uniform(), tokenizer, "abc", convention="lm-eval")

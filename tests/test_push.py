@@ -345,3 +345,34 @@ def test_a_raw_trainer_checkpoint_is_pushed_without_its_training_state(tmp_path,
         "trainer_state.json",
         "global_step10/mp_rank_00_model_states.pt",
     } <= uploaded
+
+
+@pytest.mark.parametrize("include_checkpoints", [False, True])
+@pytest.mark.parametrize("include_training_state", [False, True])
+def test_the_selection_is_upload_folders_ignore_patterns(
+    tmp_path, include_checkpoints, include_training_state
+):
+    """huggingface_hub's matcher, given `upload_ignore_patterns`, keeps exactly the files push uploads, as
+    `HfApi.upload_folder(..., ignore_patterns=...)` would; the listing names each left-out entry once."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    folder = save_tiny("plain-moe", tmp_path / "ckpt")
+    nested = ("sub/.hidden", "sub/__pycache__/x.pyc", "sub/optimizer.pt", "sub/checkpoint-1/a.bin", "x.pyo")
+    for name in (*TRAINING_STATE, *nested):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"state")
+    flags = dict(include_checkpoints=include_checkpoints, include_training_state=include_training_state)
+    every_file = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
+    patterns = hub.upload_ignore_patterns(**flags)
+    kept = list(filter_repo_objects(every_file, ignore_patterns=patterns))
+    files, skipped = hub.scan_folder(folder, **flags)
+    assert [path.as_posix() for path in files] == kept
+    # Top-level rules stay top-level: the nested look-alikes are uploaded.
+    assert {"sub/optimizer.pt", "sub/checkpoint-1/a.bin"} <= set(kept)
+    assert (TRAINER_CHECKPOINT in kept) == include_checkpoints
+    assert ("optimizer.pt" in kept) == include_training_state
+    entries = [entry.split(" (")[0] for entry in skipped]
+    assert len(entries) == len(set(entries))
+    assert {".git/", "sub/.hidden", "sub/__pycache__/", "x.pyo"} <= set(entries)
+    assert ("checkpoint-5/" in entries) != include_checkpoints
+    assert ("global_step10/" in entries) != include_training_state

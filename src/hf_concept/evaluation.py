@@ -22,6 +22,18 @@ tokens (or all earlier ones, near the start). With S = C − 1 and N < C one win
 same sum as one full-sequence cross-entropy. Windows are batched with right padding and an attention
 mask; a causal model's logits at real positions do not depend on the padding after them.
 
+lm-eval's definition (`convention="lm-eval"`): lm-evaluation-harness (`loglikelihood_rolling`, then its
+`bits_per_byte` metric) counts differently, so the two figures differ for the same model and text
+(README, "Our bits per byte and lm-eval's"). The text is encoded with the tokenizer's default special
+tokens (for the ByteTokenizer `<BoS> b_1 … b_N <eos>`) and every one of those tokens is predicted, the
+first from a prefix token (the tokenizer's bos id, else its eos id): so `<BoS>` and `<eos>` are scored
+too, while the divisor is still the text's N UTF-8 bytes. Windows are disjoint blocks of L = `context`
+predictions (lm-eval's `max_length`; by default the model's positions): block k predicts tokens
+kL … kL + L − 1 in one pass over the L tokens that end just before its last one, so a block's first
+token sees one token of context and its last sees L; the last, shorter block reads the L tokens before
+its end too. In the terms above these are windows of L + 1 tokens with stride L over `<prefix>` + the
+encoded text, the model reading each window without its last token.
+
 An LSLM (`LSLMForCausalLM`) goes through `bits_per_byte` like any causal LM: its per-token logits predict
 the next input token, and on plain text (no `<bos>`/`<nxt>` in the input) in eval mode the router closes
 segments deterministically from the bytes up to each position, so the per-token logits give a proper
@@ -73,6 +85,7 @@ from hf_concept.modeling.tokenization_lslm import (
 )
 
 DEFAULT_CONTEXT = 256
+CONVENTIONS = ("sliding", "lm-eval")
 
 
 @dataclass(frozen=True)
@@ -151,9 +164,13 @@ def padded_windows(
     return input_ids, attention_mask
 
 
-def _score_batch(model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, int, int]]) -> float:
-    """Sum of -log p over the scored positions of `batch`'s windows, run as one right-padded forward pass."""
-    input_ids, attention_mask = padded_windows(tokens, batch)
+def _score_batch(
+    model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, int, int]], read_last: bool = True
+) -> float:
+    """Sum of -log p over the scored positions of `batch`'s windows, run as one right-padded forward pass.
+    `read_last=False` runs the model on each window without its last token, whose logits score nothing."""
+    inputs = batch if read_last else [(start, first, end - 1) for start, first, end in batch]
+    input_ids, attention_mask = padded_windows(tokens, inputs)
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
     if logits.shape[-1] < VOCAB_SIZE:
@@ -172,40 +189,87 @@ def _score_batch(model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, 
     return total
 
 
+def _lm_eval_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`<prefix>` + `text` encoded as lm-eval's Hugging Face model encodes a rolling request: with the
+    tokenizer's default special tokens, unless the text already starts with the prefix token's text."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"text={text!r:.40} must be a non-empty str: bits per byte of no bytes is undefined")
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if prefix is None:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has neither a bos nor an eos token")
+    specials = not text.startswith(tokenizer.decode(prefix))
+    return [prefix, *tokenizer.encode(text, add_special_tokens=specials)]
+
+
+def _lm_eval_window(model: nn.Module, context: int | None, stride: int | None, batch_size: int) -> int:
+    """Validate the arguments for convention="lm-eval"; return its max_length L (default: the model's
+    positions)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+    if stride is not None:
+        raise ValueError(
+            f"stride={stride!r} must be None with convention='lm-eval' (its blocks are disjoint)"
+        )
+    limit = _model_context_limit(model)
+    if context is None and limit is None:
+        raise ValueError("context=None: the model names no positions limit; pass lm-eval's max_length")
+    context = limit if context is None else context
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"context={context!r} must be an int >= 1")
+    if limit is not None and context > limit:
+        raise ValueError(f"context={context} exceeds the model's {limit} positions")
+    return context
+
+
 @torch.no_grad()
 def bits_per_byte(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     text: str,
     *,
-    context: int = DEFAULT_CONTEXT,
+    context: int | None = None,
     stride: int | None = None,
     batch_size: int = 8,
+    convention: str = "sliding",
 ) -> BitsPerByte:
     """Bits per byte of `text` under the causal LM `model` (counting rules in the module docstring).
 
     Args:
         model: called as `model(input_ids=..., attention_mask=...)`, returning `.logits` of shape (B, T, V)
             with V >= 261; run in eval mode (its training flag is restored afterwards).
-        tokenizer: a `ByteTokenizer` (or any tokenizer with its byte layout: byte b is id b + 5).
+        tokenizer: a `ByteTokenizer` (or any tokenizer with its byte layout: byte b is id b + 5); with
+            convention="lm-eval", any tokenizer with a bos or eos token.
         text: non-empty text; its UTF-8 bytes are scored.
-        context: tokens per window, at most the model's `n_positions`/`max_position_embeddings`.
-        stride: new bytes scored per window, 1..context-1; default context // 2.
+        context: tokens per window, at most the model's `n_positions`/`max_position_embeddings`; default
+            256. With convention="lm-eval", lm-eval's `max_length`; default the model's positions.
+        stride: new bytes scored per window, 1..context-1; default context // 2. None for "lm-eval".
         batch_size: windows per forward pass.
+        convention: "sliding" (ours: bytes only, overlapping windows) or "lm-eval" (lm-evaluation-harness's
+            rolling loglikelihood and `bits_per_byte`: specials scored too, disjoint blocks).
     """
-    stride = _check_window(model, context, stride, batch_size)
-    tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
-    windows = scoring_windows(len(tokens), context, stride)
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention={convention!r} must be one of {CONVENTIONS}")
+    if convention == "lm-eval":
+        length = _lm_eval_window(model, context, stride, batch_size)
+        tokens = torch.tensor(_lm_eval_tokens(tokenizer, text), dtype=torch.long)
+        windows = scoring_windows(len(tokens), length + 1, length)
+        num_bytes = len(text.encode("utf-8"))
+    else:
+        context = DEFAULT_CONTEXT if context is None else context
+        stride = _check_window(model, context, stride, batch_size)
+        tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
+        windows = scoring_windows(len(tokens), context, stride)
+        num_bytes = len(tokens) - 1
     was_training = model.training
     model.eval()
     try:
         nats = sum(
-            _score_batch(model, tokens, windows[index : index + batch_size])
+            _score_batch(model, tokens, windows[index : index + batch_size], convention == "sliding")
             for index in range(0, len(windows), batch_size)
         )
     finally:
         model.train(was_training)
-    return BitsPerByte(nats=nats, num_bytes=len(tokens) - 1)
+    return BitsPerByte(nats=nats, num_bytes=num_bytes)
 
 
 @dataclass(frozen=True)

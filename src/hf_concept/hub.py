@@ -11,6 +11,11 @@ What gets uploaded (`files_to_upload`): every file under the folder except
   `from_pretrained` never reads and a raw `checkpoint-N` folder holds, unless
   `include_training_state=True`.
 
+These rules are `HfApi.upload_folder`'s `ignore_patterns` (`upload_ignore_patterns`), applied by
+huggingface_hub's own matcher (`filter_repo_objects`), so `upload_folder(..., ignore_patterns=
+upload_ignore_patterns())` selects the same files. The walk here adds what the library does not give:
+the listing of what was left out, each top-most entry once, with its reason.
+
 Before anything leaves the machine, `check_checkpoint` insists on a loadable checkpoint: `config.json`;
 weights (`model.safetensors`, or an index with every shard it names, or `pytorch_model.bin`); and for
 remote-code model types every module named in the `auto_map` of `config.json` and `tokenizer_config.json`
@@ -23,7 +28,8 @@ written into the folder (and reported) only once the commit has landed, so that 
 the repo stay the same: a failed push leaves every file of the folder as it was.
 
 The upload is `HfApi.create_repo(exist_ok=True)`, `create_branch(exist_ok=True)` when a revision other
-than main is asked for, then one `create_commit` with a `CommitOperationAdd` per planned file. `HfApi`
+than main is asked for, then one `create_commit` with a `CommitOperationAdd` per planned file (not
+`upload_folder`, which can only send files on disk: a new model card goes from memory, see above). `HfApi`
 can be injected, which is how the tests run offline. `is_hub_error` tells a failed Hub call (network,
 HTTP, token, offline mode) from a bug, and `describe_hub_error` says it in one line.
 """
@@ -40,13 +46,10 @@ from functools import cache
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.utils import filter_repo_objects
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint-"
-# Where `hf-concept train` keeps Trainer's checkpoints inside its output folder.
-TRAIN_CHECKPOINTS = "checkpoints"
-COMPILED_SUFFIXES = (".pyc", ".pyo")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # What Trainer writes beside the model in checkpoint-N: resuming needs it, from_pretrained does not.
@@ -79,49 +82,80 @@ class UploadPlan:
         return sum(size for _, size in self.files)
 
 
-def _is_training_state(name: str, is_dir: bool) -> bool:
-    if is_dir:
-        return name.startswith("global_step")
-    return name in TRAINING_STATE_FILES or (name.startswith("rng_state") and name.endswith(".pth"))
+@dataclass(frozen=True)
+class SkipRule:
+    """Entries an upload leaves out: `patterns` in `HfApi.upload_folder`'s `ignore_patterns` syntax
+    (relative POSIX paths; a trailing "/" means everything under a folder; `*` also matches "/"), and the
+    reason the listing gives."""
+
+    patterns: tuple[str, ...]
+    reason: str
 
 
-def _skipped(
-    name: str, is_dir: bool, top_level: bool, include_checkpoints: bool, include_training_state: bool
-) -> str | None:
-    """Why the entry `name` is left out of the upload (None: it is uploaded)."""
-    if name.startswith("."):
-        return "hidden"
-    if is_dir and name == "__pycache__":
-        return "Python cache"
-    if not is_dir and name.endswith(COMPILED_SUFFIXES):
-        return "compiled Python"
-    checkpoints = name.startswith(CHECKPOINT_PREFIX) or name == TRAIN_CHECKPOINTS
-    if is_dir and top_level and checkpoints and not include_checkpoints:
-        return "Trainer checkpoint; pass --include-checkpoints to upload it"
-    if top_level and not include_training_state and _is_training_state(name, is_dir):
-        return "training state, not read by from_pretrained; pass --include-training-state to upload it"
+HIDDEN = SkipRule((".*", "*/.*"), "hidden")
+PYTHON_CACHE = SkipRule(("__pycache__/", "*/__pycache__/"), "Python cache")
+COMPILED = SkipRule(("*.pyc", "*.pyo"), "compiled Python")
+# Patterns without a leading "*/" match at the top level only. `hf-concept train` keeps Trainer's
+# checkpoints in `checkpoints/`; DeepSpeed's go into `global_step*/`.
+CHECKPOINTS = SkipRule(
+    ("checkpoint-*/", "checkpoints/"), "Trainer checkpoint; pass --include-checkpoints to upload it"
+)
+TRAINING_STATE = SkipRule(
+    (*TRAINING_STATE_FILES, "rng_state*.pth", "global_step*/"),
+    "training state, not read by from_pretrained; pass --include-training-state to upload it",
+)
+
+
+def skip_rules(*, include_checkpoints: bool = False, include_training_state: bool = False) -> list[SkipRule]:
+    """The rules in force, in the order a left-out entry's reason is looked up."""
+    rules = [HIDDEN, PYTHON_CACHE, COMPILED]
+    if not include_checkpoints:
+        rules.append(CHECKPOINTS)
+    if not include_training_state:
+        rules.append(TRAINING_STATE)
+    return rules
+
+
+def upload_ignore_patterns(
+    *, include_checkpoints: bool = False, include_training_state: bool = False
+) -> list[str]:
+    """`ignore_patterns` for `HfApi.upload_folder` that select the files `files_to_upload` lists."""
+    rules = skip_rules(include_checkpoints=include_checkpoints, include_training_state=include_training_state)
+    return [pattern for rule in rules for pattern in rule.patterns]
+
+
+def _skip_reason(path: str, rules: list[SkipRule]) -> str | None:
+    """Why the entry at relative POSIX `path` (a folder's ends with "/") is left out; None: it is not."""
+    for rule in rules:
+        if any(filter_repo_objects([path], allow_patterns=list(rule.patterns))):
+            return rule.reason
     return None
 
 
 def scan_folder(
     folder: str | Path, *, include_checkpoints: bool = False, include_training_state: bool = False
 ) -> tuple[list[Path], list[str]]:
-    """(files to upload as relative paths, sorted; "path (reason)" for each top-most entry left out)."""
+    """(files to upload as relative paths, sorted; "path (reason)" for each top-most entry left out).
+
+    A folder is matched as "path/", so a folder pattern leaves it out whole and it is listed once; the
+    files uploaded are those `filter_repo_objects` keeps under `upload_ignore_patterns`."""
     folder = Path(folder)
+    rules = skip_rules(include_checkpoints=include_checkpoints, include_training_state=include_training_state)
     files: list[Path] = []
     skipped: list[str] = []
     for root, dirs, names in os.walk(folder):
         base = Path(root).relative_to(folder)
-        top_level = base == Path(".")
         for name in sorted(dirs):
-            reason = _skipped(name, True, top_level, include_checkpoints, include_training_state)
+            path = f"{(base / name).as_posix()}/"
+            reason = _skip_reason(path, rules)
             if reason:
                 dirs.remove(name)
-                skipped.append(f"{(base / name).as_posix()}/ ({reason})")
+                skipped.append(f"{path} ({reason})")
         for name in names:
-            reason = _skipped(name, False, top_level, include_checkpoints, include_training_state)
+            path = (base / name).as_posix()
+            reason = _skip_reason(path, rules)
             if reason:
-                skipped.append(f"{(base / name).as_posix()} ({reason})")
+                skipped.append(f"{path} ({reason})")
             elif (Path(root) / name).is_file():
                 files.append(base / name)
     return sorted(files, key=lambda path: path.as_posix()), sorted(skipped)

@@ -17,9 +17,12 @@ Contract:
   folders, unmarked look-alikes and symlinks are never touched; an `.old-` folder whose destination is
   missing (killed between the two renames) holds the only copy of the old checkpoint and is only
   reported.
-- Tensors are streamed: `ShardWriter` keeps at most one shard's tensors in memory and flushes a shard
-  when the next tensor would push it past `max_shard_size`. One shard is written as
+- Tensors are streamed: `ShardWriter` keeps at most one shard's tensors in memory. The shards, their
+  names and the index are those `huggingface_hub.split_torch_state_dict_into_shards` (what
+  `save_pretrained` uses) gives for the same tensors in the same order: one shard is written as
   `model.safetensors`; several as `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`.
+- The config and its remote code are written as `save_pretrained` writes them for classes registered
+  with `register_for_auto_class`: through transformers' `custom_object_save`.
 
 Nothing here knows a model family: the ConceptMoE and Hidden Decoding converters both use it.
 """
@@ -39,6 +42,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
+from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors.torch import save_file
 
 # Files a tokenizer or a generation setup may consist of; whichever exist in the source are copied.
@@ -57,9 +63,8 @@ SIDE_FILES = (
     "generation_config.json",
 )
 SIDE_FOLDERS = ("additional_chat_templates",)
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?I?B?)\s*$", re.IGNORECASE)
+# huggingface_hub's size parser knows the decimal units only (KB, MB, GB, TB).
+_BINARY_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 # Marks the staging and retired folders this module makes, so that leftovers of a killed process can be
 # told apart from anything else and removed safely.
 MARKER = ".hf-concept-writer.json"
@@ -70,15 +75,30 @@ logger = logging.getLogger(__name__)
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or a string such as "2GB", "500MB", "40KB", "1GiB"."""
+    """Bytes in `size`: a positive int, or a string as `save_pretrained(max_shard_size=...)` takes it
+    ("2GB", "500MB", "1.5GB": huggingface_hub's `parse_size_to_int`), in binary units ("1GiB",
+    "512MiB"), or a plain byte count ("1000", "1000B")."""
     if isinstance(size, int) and not isinstance(size, bool):
         if size <= 0:
             raise ValueError(f"max_shard_size={size!r} must be positive")
         return size
-    match = _SIZE.match(size) if isinstance(size, str) else None
-    if match is None or float(match["number"]) <= 0:
-        raise ValueError(f"max_shard_size={size!r} must be a positive size such as '2GB' or '500MB'")
-    return int(float(match["number"]) * _SIZE_UNITS[match["unit"].upper()])
+    value = 0
+    if isinstance(size, str):
+        with contextlib.suppress(ValueError, OverflowError):
+            value = _size_in_bytes(size)
+    if value <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be a positive size such as '2GB', '500MB' or '1GiB'")
+    return value
+
+
+def _size_in_bytes(size: str) -> int:
+    text = size.strip()
+    if text.upper().removesuffix("B").isdigit():
+        return int(text.upper().removesuffix("B"))
+    unit = text[-3:].upper()
+    if unit in _BINARY_UNITS:
+        return int(float(text[:-3]) * _BINARY_UNITS[unit])
+    return parse_size_to_int(text)
 
 
 def check_destination(dst: str | Path, overwrite: bool, source: str | Path | None = None) -> Path:
@@ -240,8 +260,16 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 class ShardWriter:
-    """Accumulates named tensors and writes safetensors shards of at most `max_shard_size` bytes
-    (a single tensor larger than the limit gets a shard of its own)."""
+    """Writes named tensors, as they come, into safetensors shards of at most `max_shard_size` bytes
+    (a single tensor larger than the limit gets a shard of its own).
+
+    huggingface_hub's `split_torch_state_dict_into_shards` plans shards for a whole state dict; a
+    conversion would have to hold every converted tensor in memory to hand it one. This writer keeps
+    at most one shard's tensors (plus the tensor being added) and applies the planner's rule as the
+    tensors arrive: a tensor over the limit is written to a shard of its own at once; any other closes
+    the open shard first when it would push it past the limit. `finish` then runs the planner on the
+    names and sizes seen, and the shard file names and the index are the planner's.
+    """
 
     def __init__(self, folder: str | Path, max_shard_size: int | str = "2GB") -> None:
         self.folder = Path(folder)
@@ -249,51 +277,60 @@ class ShardWriter:
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.written: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
-        self.names: set[str] = set()
+        # Every tensor's size in bytes, in the order added: what the planner is run on.
+        self.sizes: dict[str, int] = {}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.names:
+        if name in self.sizes:
             raise ValueError(f"tensor name {name!r} was written twice")
         size = _tensor_bytes(tensor)
-        if self.pending and self.pending_bytes + size > self.max_bytes:
+        if size <= self.max_bytes and self.pending_bytes + size > self.max_bytes:
             self.flush()
         # A private contiguous copy: safetensors refuses views that share storage (split expert tensors).
-        self.pending[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        copy = tensor.detach().to("cpu", copy=True).contiguous()
+        self.sizes[name] = size
+        if size > self.max_bytes:
+            self._write_shard({name: copy})
+            return
+        self.pending[name] = copy
         self.pending_bytes += size
-        self.total_bytes += size
-        self.names.add(name)
 
     def flush(self) -> None:
-        if not self.pending:
-            return
-        path = self.folder / f".shard-{len(self.written):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.written.append((path, list(self.pending)))
+        if self.pending:
+            self._write_shard(self.pending)
         self.pending, self.pending_bytes = {}, 0
+
+    def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
+        path = self.folder / f".shard-{len(self.written):05d}.safetensors"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(tensors)))
 
     def finish(self) -> list[Path]:
         """Flush, give the shards their final names, write the index when there are several."""
         self.flush()
         if not self.written:
             raise ValueError("no tensors were written")
-        count = len(self.written)
-        if count == 1:
-            final = self.folder / "model.safetensors"
-            os.replace(self.written[0][0], final)
-            return [final]
-        weight_map: dict[str, str] = {}
+        plan = split_state_dict_into_shards_factory(
+            self.sizes,
+            get_storage_size=lambda size: size,
+            filename_pattern=constants.SAFETENSORS_WEIGHTS_FILE_PATTERN,
+            max_shard_size=self.max_bytes,
+        )
+        if list(plan.filename_to_tensors.values()) != [names for _, names in self.written]:
+            raise RuntimeError("the shards written differ from huggingface_hub's plan for the same tensors")
         finals = []
-        for index, (path, names) in enumerate(self.written, start=1):
-            final = self.folder / f"model-{index:05d}-of-{count:05d}.safetensors"
-            os.replace(path, final)
-            finals.append(final)
-            weight_map.update(dict.fromkeys(names, final.name))
-        index_data = {
-            "metadata": {"total_size": self.total_bytes},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_data, indent=2) + "\n")
+        for (path, _), file_name in zip(self.written, plan.filename_to_tensors, strict=True):
+            os.replace(path, self.folder / file_name)
+            finals.append(self.folder / file_name)
+        if plan.is_sharded:
+            index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+            # The layout save_pretrained writes; from_pretrained reads only the weight map.
+            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            (self.folder / constants.SAFETENSORS_INDEX_FILE).write_text(text)
         return finals
 
 
@@ -329,15 +366,29 @@ def remote_code_files(*classes: type) -> list[Path]:
 
 def write_config_with_remote_code(folder: Path, config, model_classes: dict[str, type]) -> None:
     """Write config.json with `auto_map` (AutoConfig plus each auto class in `model_classes`, e.g.
-    {"AutoModel": XModel, "AutoModelForCausalLM": XForCausalLM}) and copy the code it needs, flat."""
-    auto_map = {"AutoConfig": f"{Path(inspect.getfile(type(config))).stem}.{type(config).__name__}"}
+    {"AutoModel": XModel, "AutoModelForCausalLM": XForCausalLM}) and copy the code it needs, flat.
+
+    This is what `save_pretrained` does for classes registered with `register_for_auto_class`, through
+    transformers' `custom_object_save`: it copies the module defining an object and, transitively,
+    every sibling module imported with `from .x import`, and records the object's class in `auto_map`.
+    The config goes through it as `config.save_pretrained` sends it. A streaming conversion never
+    builds the model (that would hold all its weights in memory), so there is no model object to save:
+    `custom_object_save` copies each model class's module (given no config it reads only the module of
+    what it is given, a class as well as an instance), and the model classes' `auto_map` entries are
+    written here, in the same "<module>.<Class>" form."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    if getattr(config, "_auto_class", None) != "AutoConfig":
+        name = type(config).__name__
+        raise ValueError(f"{name} is not registered for AutoConfig: call {name}.register_for_auto_class()")
+    # Only the entries written here: a stale entry would name a module that is not copied.
+    config.auto_map = {}
+    custom_object_save(config, folder, config=config)
     for auto_class, cls in model_classes.items():
-        auto_map[auto_class] = f"{Path(inspect.getfile(cls)).stem}.{cls.__name__}"
-    for path in remote_code_files(type(config), *model_classes.values()):
-        shutil.copyfile(path, folder / path.name)
-    config.auto_map = auto_map
-    # Every field, not only those that differ from today's defaults: a checkpoint must not change
-    # meaning when a default does.
+        custom_object_save(cls, folder)
+        config.auto_map[auto_class] = f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+    # Every field, not only those that differ from today's defaults (save_pretrained writes the
+    # difference): a checkpoint must not change meaning when a default does.
     config.to_json_file(str(folder / "config.json"), use_diff=False)
 
 
