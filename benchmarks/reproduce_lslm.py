@@ -32,8 +32,9 @@ Figures (held-out split of every language; never used for any choice):
   the share of gold bytes (the precision of segments placed at random); the ELBO view
   (`eval_bits_per_byte.evaluate_elbo_view`: the `<nxt>` bits the decoder spends on top of the bytes);
   one example line per language, segments shown by `|`.
-- wall time per model (train, eval) and in total; mean ± sample std over the seeds, per-seed values in
-  `--json`.
+- wall time per model (train, eval) and in total; mean ± sample std over the seeds, per-seed values and
+  the per-step training curves (loss; sampled boundary rate for lslm and dtp) in `--json`; `--png` draws
+  the curves (matplotlib, the `plots` extra; without it the tables are printed and the picture skipped).
 
 `--validation` replaces held-out by a validation slice of the train split (its last ~10% per language,
 cut at a line start; the models then train on the rest): the only data any tuning may look at.
@@ -41,7 +42,7 @@ cut at a line start; the models then train on the rest): the only data any tunin
 
     python benchmarks/reproduce_lslm.py [--seeds 0,1,2] [--steps 400] [--width 96] [--layers 1,3,1]
         [--context 256] [--batch-size 16] [--lr 2e-3] [--weight-decay 0.01] [--threads 1]
-        [--eval-bytes N] [--validation] [--json PATH] [--quick]
+        [--eval-bytes N] [--validation] [--json PATH] [--png PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ MAX_PARAMETER_GAP = 0.05
 RATE_TOLERANCE = 0.2
 VALIDATION_FRACTION = 0.1
 EXAMPLE_CHARS = 48
+# The per-step training curves kept in `--json` and drawn by `--png` (boundary rate: lslm and dtp only).
+CURVES = ("loss", "boundary_rate")
 QUICK = dict(seeds=(0,), steps=4, width=32, layers=(1, 1, 1), context=64, batch_size=4, eval_bytes=512)
 # LSLM Table 1 (byte vocabulary, mean of five runs): the paper's BPC, for the report.
 PAPER_TABLE_1 = {
@@ -99,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-bytes", type=int, default=None, help="score only this many bytes per text")
     parser.add_argument("--validation", action="store_true", help="evaluate on a slice of train (tuning)")
     parser.add_argument("--json", default=None, help="write every per-seed figure here")
+    parser.add_argument("--png", default=None, help="draw the training curves here (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, 4 steps, 1 seed")
     args = parser.parse_args(argv)
     if args.quick:
@@ -300,12 +304,34 @@ def run_model(args: argparse.Namespace, name: str, seed: int, fit: dict, texts: 
     bpc = {language: bpb[language] * len(text.encode()) / len(text) for language, text in texts.items()}
     record = dict(model=name, seed=seed, parameters=model.num_parameters(), train_loss=train_loss,
                   train_seconds=train_seconds, bits_per_byte=bpb, bits_per_char=bpc)  # fmt: skip
+    kept = [key for key in CURVES if all(key in step for step in history)]
+    record["curves"] = {key: [step[key] for step in history] for key in kept}
     if name in SEGMENTED:
         record.update(train_rates=train_rates(history), boundary_rule=model.config.boundary_rule,
                       heldout=evaluate_segmenter(model, shared, texts))  # fmt: skip
     record["eval_seconds"] = time.perf_counter() - start - train_seconds
     print(f"[seed {seed}] {name}: train {train_seconds:.0f}s, eval {record['eval_seconds']:.0f}s", flush=True)
     return record
+
+
+def draw(runs: list[dict], path: str) -> bool:
+    """The training curves per model, mean over seeds: the loss (nats per predicted token: the GPT-2's
+    cross-entropy, the LSLMs' negative ELBO per byte) and the LSLMs' sampled boundary rate."""
+    plt = runner.pyplot_or_none(path)
+    if plt is None:
+        return False
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, key in zip(axes, CURVES, strict=True):
+        for name, group in by_model(runs).items():
+            if key in group[0]["curves"]:
+                curve = torch.tensor([run["curves"][key] for run in group]).mean(0)
+                axis.plot(range(1, len(curve) + 1), curve, label=name)
+        axis.set(title=f"training {key.replace('_', ' ')} (mean over seeds)", xlabel="optimizer step")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
 
 
 def by_model(runs: list[dict]) -> dict[str, list[dict]]:
@@ -434,10 +460,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())
     )
+    drawn = draw(runs, args.png) if args.png else False
     return runner.write_result(
         args, split=split, threads=args.threads, seeds=list(args.seeds), parameters=counts,
         gpt2_layers=gpt2_depth(args), wall_seconds=wall, runs=runs, directions=verdict,
-        paper_table_1=PAPER_TABLE_1,
+        paper_table_1=PAPER_TABLE_1, png=args.png if drawn else None,
     )  # fmt: skip
 
 

@@ -4,8 +4,8 @@ Checked against the forward itself: forced fixed chunking (R = 2) opens every se
 learned routers the view's tokens per concept equal the `compression_ratio` the causal-LM forward
 reports and its openings equal the backbone's `boundaries`; a model left in training mode is read in eval
 mode (no boundary noise) and handed back in training mode. The views (`|` text, ANSI colours, HTML, PNG)
-render those openings; Hidden Decoding prints its stream probe table; families without boundaries and
-impossible outputs are refused with one line.
+render those openings (the HTML page's heatmap: tests/test_segment_html.py); Hidden Decoding prints its
+stream probe table; families without boundaries and impossible outputs are refused with one line.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_text_view_stats_and_histogram():
 
 
 class _Page(HTMLParser):
-    """The title, the stats paragraph and the concept spans of a segmentation page."""
+    """The title, the stats paragraph and the concept spans (not the heatmap cells) of a segmentation page."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +159,7 @@ class _Page(HTMLParser):
         attrs = dict(attrs)
         if tag == "title" or attrs.get("class") == "stats":
             self._in = tag
-        elif tag == "span":
+        elif tag == "span" and attrs.get("class") in ("c0", "c1"):
             self._in = "span"
             self.spans.append([attrs["class"], ""])
 
@@ -279,7 +279,8 @@ def test_cli_prints_the_stream_probe_table_for_hidden_decoding(capsys, checkpoin
     ("family", "flags", "message"),
     [
         ("plain", [], "model_type='hf_concept_plain', which has no segmentation"),
-        ("hidden-decoding", ["--html", "x.html"], "no segmentation to draw; segment prints its stream probe"),
+        ("hidden-decoding", ["--png", "x.png"], "no segmentation to draw; segment prints its stream probe"),
+        ("conceptmoe-first", ["two", "--png", "x.png"], "draws one text and 2 were given; --html shows"),
         ("conceptmoe-first", ["--png", "x.png"], "optional dependency Pillow"),
         ("conceptmoe-first", ["--html", "no/such/folder/x.html"], "does not exist"),
         (None, [], "is not a folder"),

@@ -3,14 +3,24 @@
     view = segment_text(model, tokenizer, "The capital of France is Paris.")
     print(view.to_text(color=False))   # "|The| capital| of| Fr|ance|…"
     print(view.stats())                # num_tokens, num_concepts, tokens_per_concept, min, max
-    view.save("segments.html")
+    view.save("segments.html")         # the concepts and the boundary-probability heatmap
 
 The boundaries are the ones the model's own forward decides, never a re-implementation: one eval-mode
 forward of the causal LM without a cache (so the concept families start from the empty state, as in a
 prefill) and the decisions read from its outputs. ConceptMoE and DLCM return them from the backbone
 (`ConceptModelOutput.boundaries`, captured with a forward hook on `model.base_model`); LSLM returns
-them on the causal-LM output (`boundaries`). Hidden Decoding and the plain family have no boundaries:
-Hidden Decoding's streams are read with `hf_concept.probes.probe_streams` instead.
+them on the causal-LM output (`boundaries`). The probability of each opening comes from the same
+output (`boundary_probs`): the router's p_t for ConceptMoE and DLCM, q of the byte before for LSLM
+(`probability_note` says, per checkpoint, what p is and how the forward turns it into boundaries).
+Hidden Decoding and the plain family have no boundaries: Hidden Decoding's streams are read with
+`hf_concept.probes.probe_streams` instead, and its page says that there is nothing to draw
+(`render_no_boundaries_page`).
+
+The HTML page (`render_page`, one section per text) is self-contained: inline CSS, no script, no
+external reference, every piece of text escaped. Each section shows the concepts on alternating
+backgrounds and the heatmap (after DLCM's Appendix A): one cell per token, its background the opening
+probability, a bar on the left of each token that opens a concept, p in the cell's tooltip (`title`) and
+its `data-p` attribute.
 
 A token's piece is its decoded text; special tokens show as their token string (`<s>`, `<BoS>`), so a
 concept that holds only a marker stays visible. Text between special tokens is decoded incrementally
@@ -22,10 +32,11 @@ from __future__ import annotations
 
 import html
 import importlib.util
+import itertools
 import os
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +54,8 @@ ANSI_RESET = "\x1b[0m"
 VIEW_COLORS = ("#cfe3ff", "#ffd9b3")
 # Widest bar of the text histogram, in characters.
 HISTOGRAM_WIDTH = 40
+# The heatmap's colour scale: (p, RGB) stops, white through orange; black text stays readable on all.
+HEAT_STOPS = ((0.0, (255, 255, 255)), (0.5, (253, 174, 107)), (1.0, (230, 85, 13)))
 
 
 class NoSegmentationError(ValueError):
@@ -54,13 +67,19 @@ class SegmentationView:
     """One text's tokens and which of them open a concept.
 
     pieces: decoded text of each token; opens: True where the token opens a concept (segment);
-    token_ids: the ids the model read; model_type: the checkpoint's family.
+    token_ids: the ids the model read; model_type: the checkpoint's family; probs: the probability
+    that each token opens a concept, from the same forward (None: the forward returned none);
+    special: True where the token is a special token (its piece is the token's string, not text);
+    note: what p is for this checkpoint (`probability_note`).
     """
 
     pieces: list[str]
     opens: list[bool]
     token_ids: list[int]
     model_type: str = ""
+    probs: list[float] | None = None
+    special: list[bool] = field(default_factory=list)
+    note: str = ""
 
     def concept_lengths(self) -> list[int]:
         """Tokens per concept, in order. Tokens before the first opening (if any) count as one concept."""
@@ -123,8 +142,13 @@ class SegmentationView:
         return "\n".join(lines)
 
     def to_html(self) -> str:
-        """A self-contained HTML page: concepts on alternating backgrounds, the statistics as the title."""
+        """A self-contained HTML page: concepts on alternating backgrounds, the boundary-probability
+        heatmap, the statistics as the title."""
         return render_html(self)
+
+    def is_special(self, index: int) -> bool:
+        """Whether token `index` is a special token (False when `special` was not given)."""
+        return bool(self.special) and self.special[index]
 
     def save(self, path: str | Path) -> Path:
         """Write the view as `.html`, or as `.png` when matplotlib or Pillow is installed."""
@@ -141,9 +165,14 @@ class SegmentationView:
         return path
 
 
-def write_html(view: SegmentationView, path: str | Path) -> None:
-    """The HTML view (`to_html`) written to `path`, whatever its suffix."""
-    page = view.to_html()
+def write_html(view: SegmentationView | Sequence[SegmentationView], path: str | Path) -> None:
+    """The HTML page of one view, or of several texts' views (`render_page`), written to `path`."""
+    views = [view] if isinstance(view, SegmentationView) else list(view)
+    write_page(render_page(views), path)
+
+
+def write_page(page: str, path: str | Path) -> None:
+    """`page` written to `path` as UTF-8, whole or not at all."""
     _write_whole(Path(path), lambda staged: staged.write_text(page, encoding="utf-8"))
 
 
@@ -168,29 +197,185 @@ def summary_line(view: SegmentationView) -> str:
     )
 
 
-def render_html(view: SegmentationView) -> str:
-    """The HTML page of `view`; every piece of text is escaped."""
-    summary = html.escape(summary_line(view))
-    family = html.escape(view.model_type or "model")
-    spans = []
-    for index, text in enumerate(view.concepts()):
-        spans.append(f'<span class="c{index % 2}" title="concept {index}">{html.escape(text)}</span>')
+def unit_name(model_type: str) -> str:
+    """What the family calls the groups its boundaries open: LSLM's segments, the others' concepts."""
+    return "segment" if model_type == "lslm" else "concept"
+
+
+def probability_note(config: Any) -> str:
+    """What the heatmap's p is for a checkpoint with `config`, and how its forward turns p into openings."""
+    if getattr(config, "model_type", "") == "lslm":
+        if getattr(config, "boundary_rule", "rate") == "threshold":
+            decision = f"a segment opens where p ≥ boundary_threshold={config.boundary_threshold:g}"
+        else:
+            decision = (
+                "boundary_rule='rate' decides: a segment ends where the running sum of q over the document "
+                "passes a half-integer, so an opening can sit on a pale token and a dark one stay inside"
+            )
+        return (
+            "LSLM's router gives q_t, the probability that byte t ends its segment; a token's p is q of the "
+            "byte before it (1 where the opening is forced: a document's first byte, after <BoS>, <eos> or a "
+            f"marker). {decision}."
+        )
+    if getattr(config, "chunking", "dynamic") == "fixed":
+        return (
+            f"chunking='fixed' opens a concept every {int(config.compression_ratio)} tokens: there is no "
+            "router, so p is 1 where a concept opens and 0 elsewhere."
+        )
+    router = getattr(config, "router", "cosine")
+    if router == "rule":
+        return (
+            "p_t = ½(1 − cos(h_{t−1}, h_t)), the parameter-free rule router (1 at the first token); a "
+            f"concept opens where p > rule_threshold={config.rule_threshold:g}."
+        )
+    formula = (
+        "σ(w·h_t), the linear router" if router == "linear" else "½(1 − cos(q_t, k_{t−1})), the cosine router"
+    )
+    return (
+        f"p_t = {formula} (1 at the first token); a concept opens where p ≥ "
+        f"boundary_threshold={config.boundary_threshold:g} (eval mode: no sampling)."
+    )
+
+
+def heat_color(prob: float) -> str:
+    """The `#rrggbb` of probability `prob` on the heatmap's scale (`HEAT_STOPS`), clamped to [0, 1]."""
+    prob = min(max(prob, 0.0), 1.0)
+    for (low, low_rgb), (high, high_rgb) in itertools.pairwise(HEAT_STOPS):
+        if prob <= high:
+            share = (prob - low) / (high - low)
+            return "#" + "".join(
+                f"{round(a + (b - a) * share):02x}" for a, b in zip(low_rgb, high_rgb, strict=True)
+            )
+    return "#" + "".join(f"{channel:02x}" for channel in HEAT_STOPS[-1][1])
+
+
+PAGE_STYLE = (
+    "body{font-family:sans-serif;margin:2em;max-width:60em}"
+    ".text{font-family:monospace;white-space:pre-wrap;line-height:1.9;font-size:1.1em}"
+    f".c0{{background:{VIEW_COLORS[0]}}}.c1{{background:{VIEW_COLORS[1]}}}"
+    ".sp{color:#777;font-style:italic}"
+    ".t{border-left:2px solid transparent}.t:empty{padding:0 .15em}.t.o{border-left-color:#000}"
+    ".scale{display:inline-block;width:12em;height:1em;vertical-align:middle;border:1px solid #999;"
+    "background:linear-gradient(to right,"
+    + ",".join(f"{heat_color(stop)} {stop:.0%}" for stop, _ in HEAT_STOPS)
+    + ")}"
+    ".none{font-weight:bold}"
+    "table{border-collapse:collapse}td,th{padding:0 1em;text-align:right}"
+)
+
+
+def _page(title: str, body: list[str]) -> str:
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{PAGE_STYLE}</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
+
+
+def _piece_html(view: SegmentationView, index: int) -> str:
+    text = html.escape(view.pieces[index])
+    return f'<span class="sp">{text}</span>' if view.is_special(index) else text
+
+
+def _concept_spans(view: SegmentationView) -> str:
+    """The concepts on alternating backgrounds, special tokens marked inside them."""
+    concepts: list[list[str]] = []
+    for index, opens in enumerate(view.opens):
+        if opens or index == 0:
+            concepts.append([])
+        concepts[-1].append(_piece_html(view, index))
+    unit = unit_name(view.model_type)
+    return "".join(
+        f'<span class="c{index % 2}" title="{unit} {index}">{"".join(pieces)}</span>'
+        for index, pieces in enumerate(concepts)
+    )
+
+
+def _heatmap_cells(view: SegmentationView, probs: list[float]) -> str:
+    """One cell per token: its background the opening probability, a bar on its left where it opens."""
+    unit, cells = unit_name(view.model_type), []
+    for index, (opens, prob) in enumerate(zip(view.opens, probs, strict=True)):
+        classes = "t o" if opens else "t"
+        if view.is_special(index):
+            classes += " sp"
+        title = f"token {index} (id {view.token_ids[index]}): p = {prob:.3f}" + (
+            f", opens a {unit}" if opens else ""
+        )
+        cells.append(
+            f'<span class="{classes}" data-p="{prob:.6f}" title="{title}" '
+            f'style="background:{heat_color(prob)}">{html.escape(view.pieces[index])}</span>'
+        )
+    return "".join(cells)
+
+
+def _view_section(view: SegmentationView, number: int) -> str:
+    unit = unit_name(view.model_type)
     rows = "".join(
         f"<tr><td>{length}</td><td>{count}</td></tr>" for length, count in view.histogram().items()
     )
+    if view.probs is None:
+        heatmap = (
+            '<p class="none">No boundary probabilities for this text (the forward returned none, e.g. '
+            "the remote code of a checkpoint saved before LSLM had them): no heatmap is drawn, only the "
+            "openings above are known.</p>"
+        )
+    else:
+        heatmap = f'<div class="text heatmap">{_heatmap_cells(view, view.probs)}</div>'
     return (
-        '<!DOCTYPE html>\n<html><head><meta charset="utf-8">'
-        f"<title>Segmentation ({family}): {summary}</title><style>"
-        "body{font-family:sans-serif;margin:2em;max-width:60em}"
-        ".text{font-family:monospace;white-space:pre-wrap;line-height:1.8;font-size:1.1em}"
-        f".c0{{background:{VIEW_COLORS[0]}}}.c1{{background:{VIEW_COLORS[1]}}}"
-        "table{border-collapse:collapse}td,th{padding:0 1em;text-align:right}"
-        "</style></head><body>\n"
-        f'<h1>Segmentation ({family})</h1>\n<p class="stats">{summary}</p>\n'
-        f'<div class="text">{"".join(spans)}</div>\n'
-        "<h2>Tokens per concept</h2>\n<table><tr><th>tokens</th><th>concepts</th></tr>"
-        f"{rows}</table>\n</body></html>\n"
+        f'<section id="text-{number}">\n<h2>Text {number}</h2>\n'
+        f'<p class="stats">{html.escape(summary_line(view))}</p>\n'
+        f'<h3>{unit.capitalize()}s</h3>\n<div class="text segments">{_concept_spans(view)}</div>\n'
+        f"<h3>Boundary probability</h3>\n{heatmap}\n"
+        f"<h3>Tokens per {unit}</h3>\n<table><tr><th>tokens</th><th>{unit}s</th></tr>{rows}</table>\n"
+        "</section>"
     )
+
+
+def _legend(views: Sequence[SegmentationView]) -> str:
+    unit = unit_name(views[0].model_type)
+    note = next((view.note for view in views if view.note), "")
+    about = f'<p class="about">{html.escape(note)}</p>\n' if note else ""
+    return (
+        f'{about}<p class="legend">Boundary probability p, the chance that a token opens a {unit}: '
+        '0 <span class="scale"></span> 1. <span class="t o">&#160;</span> a bar on its left: the token opens '
+        f'a {unit}. <span class="sp">Grey italics</span>: a special token. Hover a token for its p.</p>'
+    )
+
+
+def render_page(views: Sequence[SegmentationView]) -> str:
+    """The HTML page of one or more texts' views (one checkpoint): per text the statistics, the concepts,
+    the boundary-probability heatmap and the tokens-per-concept table; every piece of text is escaped."""
+    if not views:
+        raise ValueError("views=[]: give at least one SegmentationView")
+    family = views[0].model_type or "model"
+    summary = summary_line(views[0]) if len(views) == 1 else f"{len(views)} texts"
+    body = [f"<h1>Segmentation ({html.escape(family)})</h1>", _legend(views)]
+    body += [_view_section(view, number) for number, view in enumerate(views, start=1)]
+    return _page(f"Segmentation ({family}): {summary}", body)
+
+
+def render_html(view: SegmentationView) -> str:
+    """The HTML page of `view` (`render_page` of one text)."""
+    return render_page([view])
+
+
+def render_no_boundaries_page(
+    model_type: str, texts: Sequence[str], reason: str, details: Sequence[str] | None = None
+) -> str:
+    """The page of a family without boundaries: `reason` in plain words instead of a heatmap, each text
+    as given, and under it the matching `details` entry (e.g. a stream probe table) when given."""
+    body = [
+        f"<h1>Segmentation ({html.escape(model_type)})</h1>",
+        f'<p class="none">{html.escape(reason)}</p>',
+    ]
+    for number, text in enumerate(texts, start=1):
+        body.append(f'<section id="text-{number}">\n<h2>Text {number}</h2>')
+        body.append(f'<div class="text">{html.escape(text)}</div>')
+        if details is not None:
+            body.append(f"<pre>{html.escape(details[number - 1])}</pre>")
+        body.append("</section>")
+    return _page(f"Segmentation ({model_type}): no boundaries", body)
 
 
 def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
@@ -223,9 +408,12 @@ def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
     return pieces
 
 
-def forward_boundaries(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(L,) bool openings of the one row in `input_ids` (1, L), from one eval-mode forward without a
-    cache, and the causal-LM output. Raises NoSegmentationError for families without boundaries."""
+def forward_boundaries(
+    model: torch.nn.Module, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """(L,) bool openings and (L,) float opening probabilities (None when the forward returns none) of
+    the one row in `input_ids` (1, L), from one eval-mode forward without a cache, and the causal-LM
+    output. Raises NoSegmentationError for families without boundaries."""
     model_type = getattr(model.config, "model_type", "")
     if model_type == HIDDEN_DECODING_MODEL_TYPE:
         raise NoSegmentationError(
@@ -245,15 +433,17 @@ def forward_boundaries(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple
         if hook is not None:
             hook.remove()
     # LSLM puts its openings on the causal-LM output; the concept families on the backbone's.
-    opens = getattr(outputs, "boundaries", None)
-    if opens is None and captured:
-        opens = getattr(captured[-1], "boundaries", None)
+    source = outputs if getattr(outputs, "boundaries", None) is not None else None
+    if source is None and captured:
+        source = captured[-1]
+    opens = getattr(source, "boundaries", None)
     if opens is None:
         raise NoSegmentationError(
             f"model_type={model_type!r} ({type(model).__name__}) has no segmentation: its forward returns "
             f"no chunk boundaries (the families with boundaries: {', '.join(SEGMENTED_MODEL_TYPES)})"
         )
-    return opens[0].bool().cpu(), outputs
+    probs = getattr(source, "boundary_probs", None)
+    return opens[0].bool().cpu(), None if probs is None else probs[0].float().cpu(), outputs
 
 
 def segment_text(model: torch.nn.Module, tokenizer: Any, text: str) -> SegmentationView:
@@ -267,13 +457,17 @@ def segment_text(model: torch.nn.Module, tokenizer: Any, text: str) -> Segmentat
     if input_ids.shape[1] == 0:
         raise ValueError(f"text={text!r} gives no tokens")
     device = next(model.parameters()).device
-    opens, _ = forward_boundaries(model, input_ids.to(device))
+    opens, probs, _ = forward_boundaries(model, input_ids.to(device))
     token_ids = input_ids[0].tolist()
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
     return SegmentationView(
         pieces=token_pieces(tokenizer, token_ids),
         opens=opens.tolist(),
         token_ids=token_ids,
         model_type=getattr(model.config, "model_type", ""),
+        probs=None if probs is None else probs.tolist(),
+        special=[token_id in special for token_id in token_ids],
+        note=probability_note(model.config),
     )
 
 

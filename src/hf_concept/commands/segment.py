@@ -1,12 +1,15 @@
-"""`hf-concept segment CHECKPOINT "text"`: which tokens open a concept, as the model's forward decides.
+"""`hf-concept segment CHECKPOINT "text" ["text" ...]`: which tokens open a concept, as the model's forward
+decides.
 
-ConceptMoE, DLCM and LSLM checkpoints (`segmentation.SEGMENTED_MODEL_TYPES`): the text with each concept
+ConceptMoE, DLCM and LSLM checkpoints (`segmentation.SEGMENTED_MODEL_TYPES`): each text with each concept
 (segment) marked — alternating ANSI background colours when stdout is a terminal, `|` before each opening
 otherwise or with `--no-color` — then the tokens-per-concept statistics and histogram. `--html PATH`
-writes a self-contained HTML view, `--png PATH` a picture (needs Pillow or matplotlib; checked before the
-model loads). Hidden Decoding has no boundaries: its stream probe table (`hf_concept.probes.probe_streams`)
-is printed instead. The plain family (or any other model_type) has neither, which is an error (exit 2)
-before the model loads, as are a missing folder or tokenizer.
+writes one self-contained page for all the texts: per text the concepts and the boundary-probability
+heatmap (`segmentation.render_page`). `--png PATH` draws one text (needs Pillow or matplotlib; checked
+before the model loads). Hidden Decoding has no boundaries: its stream probe table
+(`hf_concept.probes.probe_streams`) is printed instead, and `--html` writes a page that says so, with the
+texts and their probe tables and no heatmap. The plain family (or any other model_type) has neither,
+which is an error (exit 2) before the model loads, as are a missing folder or tokenizer.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from hf_concept.commands.generate import add_loading_flags, load_checkpoint, read_model_type
 
@@ -28,8 +32,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "and tokens-per-concept statistics; for Hidden Decoding, the stream probe table.",
     )
     parser.add_argument("checkpoint", type=Path, help="Checkpoint folder (config, weights, tokenizer).")
-    parser.add_argument("text", help="Text to segment.")
-    parser.add_argument("--html", type=Path, default=None, metavar="PATH", help="Also write an HTML view.")
+    parser.add_argument("text", nargs="+", help="Text(s) to segment.")
+    parser.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Also write an HTML page: concepts and boundary-probability heatmap of every text.",
+    )
     parser.add_argument(
         "--png", type=Path, default=None, metavar="PATH", help="Also write a PNG view (Pillow or matplotlib)."
     )
@@ -55,11 +65,14 @@ def _check_outputs(args: argparse.Namespace, model_type: str) -> None:
             f"reads the boundaries of {', '.join(SEGMENTED_MODEL_TYPES)} checkpoints and prints the stream "
             "probe table of hidden_decoding ones"
         )
-    views = [f"--{name} {getattr(args, name)}" for name in ("html", "png") if getattr(args, name)]
-    if model_type == HIDDEN_DECODING_MODEL_TYPE and views:
+    if model_type == HIDDEN_DECODING_MODEL_TYPE and args.png is not None:
         raise ValueError(
-            f"{', '.join(views)}: a Hidden Decoding checkpoint has no segmentation to draw; segment prints "
-            "its stream probe table"
+            f"--png {args.png}: a Hidden Decoding checkpoint has no segmentation to draw; segment prints "
+            "its stream probe table (and --html writes a page that says so)"
+        )
+    if args.png is not None and len(args.text) > 1:
+        raise ValueError(
+            f"--png {args.png} draws one text and {len(args.text)} were given; --html shows them all"
         )
     for path in (args.html, args.png):
         if path is not None and not path.parent.is_dir():
@@ -74,23 +87,45 @@ def _check_outputs(args: argparse.Namespace, model_type: str) -> None:
 def _segment(args: argparse.Namespace) -> int:
     from hf_concept.segmentation import segment_text, write_html, write_png
 
-    if not args.text:
+    if not all(args.text):
         raise ValueError("text='': give some text to segment")
     model_type = read_model_type(args.checkpoint)
     _check_outputs(args, model_type)
     model, tokenizer = load_checkpoint(args.checkpoint, args.tokenizer, args.device, args.dtype)
     if model_type == HIDDEN_DECODING_MODEL_TYPE:
-        from hf_concept.probes import probe_streams
-
-        print(probe_streams(model, text=args.text, tokenizer=tokenizer).to_table())
-        return 0
-    view = segment_text(model, tokenizer, args.text)
-    print(view.to_text(color=sys.stdout.isatty() and not args.no_color))
-    print(view.stats_text())
+        return _probe_streams(args, model, tokenizer)
+    views = [segment_text(model, tokenizer, text) for text in args.text]
+    for index, view in enumerate(views):
+        if index:
+            print()
+        print(view.to_text(color=sys.stdout.isatty() and not args.no_color))
+        print(view.stats_text())
     if args.html is not None:
-        write_html(view, args.html)
+        write_html(views, args.html)
         print(f"wrote {args.html}")
     if args.png is not None:
-        write_png(view, args.png)
+        write_png(views[0], args.png)
         print(f"wrote {args.png}")
+    return 0
+
+
+def _probe_streams(args: argparse.Namespace, model: Any, tokenizer: Any) -> int:
+    """Hidden Decoding: each text's stream probe table; with --html, a page that says there are no
+    boundaries (no heatmap), with the texts and their tables."""
+    from hf_concept.probes import probe_streams
+    from hf_concept.segmentation import render_no_boundaries_page, write_page
+
+    tables = [probe_streams(model, text=text, tokenizer=tokenizer).to_table() for text in args.text]
+    print("\n\n".join(tables))
+    if args.html is not None:
+        reason = (
+            f"Hidden Decoding has no boundaries: each token is expanded into num_streams="
+            f"{model.config.num_streams} streams and no tokens are merged into concepts, so there is no "
+            "boundary probability and no heatmap to draw. Under each text: the stream probe table "
+            "(hf_concept.probes.probe_streams), each stream's top-1 next-token guess."
+        )
+        write_page(
+            render_no_boundaries_page(HIDDEN_DECODING_MODEL_TYPE, args.text, reason, tables), args.html
+        )
+        print(f"wrote {args.html}")
     return 0

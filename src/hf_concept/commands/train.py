@@ -5,9 +5,11 @@ formats, packing, LoRA targets, μP, LSLM's schedule, the output layout). The sa
 `torchrun --nproc_per_node N -m hf_concept.cli train ...` and `accelerate launch -m hf_concept.cli train
 ...`: Trainer reads the launcher's environment. An input problem found before training starts (missing data
 file, unknown text field or model type, a tokenizer that does not fit the model) prints one line to stderr
-and exits with status 2; the summary table is printed by the main process only. A run that diverges
-(non-finite loss, gradient norm or weight) prints one line naming the step and exits with status 1, having
-saved nothing non-finite.
+and exits with status 2; the summary table is printed by the main process only, which then draws the loss
+and compression curves into DIR/checkpoints/training_curves.png, beside trainer_state.json
+(`hf_concept.training.curves`; needs matplotlib, the `plots` extra: without it one line says that no
+picture was drawn). A run that diverges (non-finite loss, gradient norm or weight) prints one line naming
+the step and exits with status 1, having saved nothing non-finite.
 """
 
 from __future__ import annotations
@@ -189,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
             resume_from=args.resume_from,
             encoding_errors=args.encoding_errors,
         )
+        if result.is_main_process:
+            print(result.summary_table())
+            _draw_curves(result.log_history, args.output_dir)
     except TrainSetupError as error:
         print(f"hf-concept train: error: {error}", file=sys.stderr)
         return 2
@@ -197,6 +202,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         logger.removeHandler(handler)
-    if result.is_main_process:
-        print(result.summary_table())
     return 0
+
+
+def _draw_curves(log_history: list[dict], output_dir: Path) -> None:
+    """The run's curves beside trainer_state.json; a picture that cannot be written does not fail the run."""
+    from hf_concept.training.curves import CURVES_NAME, write_training_curves
+    from hf_concept.training.recipes import CHECKPOINTS_NAME
+
+    path = output_dir / CHECKPOINTS_NAME / CURVES_NAME
+    try:
+        written = write_training_curves(log_history, path)
+    except OSError as error:
+        logging.getLogger("hf_concept.train").warning(f"training curves not drawn ({path}): {error}")
+        return
+    if written is not None:
+        print(f"training curves: {written}")

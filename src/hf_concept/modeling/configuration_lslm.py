@@ -66,6 +66,9 @@ class LSLMConfig(PlainDecoderConfig):
         "inference_boundary_rate",
         "bits_per_byte",
         "hidden_states",
+        # Per-token figures to look at, not predictions: Trainer.predict would gather them as logits.
+        "boundaries",
+        "boundary_probs",
     ]
 
     vocab_size: int = 261

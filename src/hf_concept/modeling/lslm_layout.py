@@ -191,6 +191,15 @@ def token_slots(view: ByteView, segmentation: Segmentation, slots: DecoderSlots)
     return torch.where(open_segment, own, torch.where(has_next, next_bos, pending)).clamp(min=0)
 
 
+def opening_probs(segmentation: Segmentation, view: ByteView) -> torch.Tensor:
+    """(B, T) float32 over the view: the probability that each byte opens a segment (DESIGN §3,
+    b_{t+1} = z_t), i.e. q of the byte before it; 1 at a document's first byte and after a forced end
+    (`<BoS>`, `<eos>`, a byte before a marker); 0 where the view holds no byte. Detached: a figure to
+    show, not a term of the loss."""
+    ends = torch.where(segmentation.forced, 1.0, segmentation.probs.detach().float())
+    return torch.where(view.starts, 1.0, _previous(ends, 1.0)) * view.mask
+
+
 def closed_segments(segmentation: Segmentation, view: ByteView) -> torch.Tensor:
     """(B,) segments of each row that have closed (all of them unless the last byte's is still open)."""
     count = (segmentation.index.max(dim=1).values + 1).clamp(min=0)

@@ -77,6 +77,7 @@ from .lslm_layout import (
     byte_view,
     closed_segments,
     document_causal_mask,
+    opening_probs,
     slot_confidence,
     token_slots,
 )
@@ -99,8 +100,10 @@ class LSLMCausalLMOutput(ModelOutput):
     per target), `kl_loss`, `boundary_rate` (segment ends per free byte: sampled in training,
     the inference rule in eval), `expected_boundary_rate` (mean q_t), `inference_boundary_rate` (the share
     the inference rule closes on the same bytes), `bits_per_byte`,
-    `compression_ratio` (bytes per segment) and `boundaries` (B, T) bool, True where an input token opens
-    a segment (DESIGN §3: b_t = 1; markers never open one). `loss` is defined in `LSLMForCausalLM`.
+    `compression_ratio` (bytes per segment), `boundaries` (B, T) bool, True where an input token opens
+    a segment (DESIGN §3: b_t = 1; markers never open one), and `boundary_probs` (B, T) float32, the
+    probability that it opens one (`lslm_layout.opening_probs`: q of the byte before it, 1 where the
+    opening is forced, 0 at markers and pads). `loss` is defined in `LSLMForCausalLM`.
 
     `hidden_states` (with `output_hidden_states`, parallel pass only; None for cached steps): as
     `LSLMModelOutput.hidden_states`."""
@@ -117,6 +120,7 @@ class LSLMCausalLMOutput(ModelOutput):
     compression_ratio: torch.Tensor | None = None
     boundaries: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    boundary_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,18 +134,20 @@ class LSLMModelOutput(BaseModelOutput):
     input of each token-encoder layer (the first is the byte embeddings) and then the encoder's normed
     output (what the router and the pooling read), each at the input column of its byte; columns that
     hold no byte (pads, `<bos>`/`<nxt>` markers) are zero, since the token encoder never reads them.
-    `boundaries` (B, T) bool: True where an input token opens a segment.
+    `boundaries` (B, T) bool: True where an input token opens a segment; `boundary_probs` (B, T) float32:
+    the probability that it opens one (as `LSLMCausalLMOutput.boundary_probs`).
     """
 
     boundaries: torch.Tensor | None = None
+    boundary_probs: torch.Tensor | None = None
 
 
 @dataclass
 class LSLMPass:
     """One parallel pass, what the heads read: the real-column `mask` (B, T), the `view`, the
     `segmentation` and decoder `slots`, the (B, S, Dd) normed `slot_states`, `column_slots` (B, T) (the
-    slot each input column reports, `lslm_layout.token_slots`), `boundaries` (B, T), the `hidden_states`
-    tuple (or None) and the `cache` it filled (or None)."""
+    slot each input column reports, `lslm_layout.token_slots`), `boundaries` and `boundary_probs` (B, T)
+    at the input columns, the `hidden_states` tuple (or None) and the `cache` it filled (or None)."""
 
     mask: torch.Tensor
     view: ByteView
@@ -150,6 +156,7 @@ class LSLMPass:
     slot_states: torch.Tensor
     column_slots: torch.Tensor
     boundaries: torch.Tensor
+    boundary_probs: torch.Tensor
     hidden_states: tuple[torch.Tensor, ...] | None
     cache: SegmentCache | None
 
@@ -255,6 +262,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             last_hidden_state=layout.column_states(),
             hidden_states=layout.hidden_states,
             boundaries=layout.boundaries,
+            boundary_probs=layout.boundary_probs,
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return output if return_dict else output.to_tuple()
@@ -307,6 +315,9 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             slot_states=slot_states,
             column_slots=token_slots(view, segmentation, slots),
             boundaries=torch.zeros_like(mask).scatter_(1, view.order, segmentation.opens),
+            boundary_probs=torch.zeros(mask.shape, device=mask.device).scatter_(
+                1, view.order, opening_probs(segmentation, view)
+            ),
             hidden_states=hidden_states,
             cache=cache,
         )
@@ -574,6 +585,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
             past_key_values=layout.cache,
             boundaries=layout.boundaries,
             hidden_states=layout.hidden_states,
+            boundary_probs=layout.boundary_probs,
             **fields,
         )
 
