@@ -12,6 +12,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig
+from hf_concept.reference.hidden_decoding import reference_logits
 from tests.test_concept_cache import prepared
 from tests.test_hidden_decoding_model import BACKBONE, hd_model, ids
 
@@ -121,8 +122,11 @@ def test_sum_predicts_from_the_norm_of_the_summed_streams():
     with torch.no_grad():
         outputs = model(input_ids=input_ids, labels=labels)
         expected = model.lm_head(model.model.norm(raw_stream_states(model, input_ids).sum(dim=1)))
+        masked_reference = reference_logits(model, input_ids)
         final = with_supervision(model, "final")(input_ids=input_ids)
     assert_close(outputs.logits, expected, atol=1e-5, rtol=1e-5)
+    # The masked reference, built from the definitions, reads the sum too.
+    assert_close(outputs.logits, masked_reference, atol=1e-5, rtol=1e-5)
     assert_close(outputs.loss, token_mean_cross_entropy(outputs.logits, labels))
     # The reference can fail: the final stream alone predicts otherwise.
     assert (final.logits - outputs.logits).abs().max() > 1e-3

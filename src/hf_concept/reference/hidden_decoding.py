@@ -12,7 +12,8 @@ dense (S·L) x (S·L) boolean mask built from the definitions (HD eq. 4, §5.2, 
 - shared-KV intra: itself, plus the final stream of earlier tokens;
 - local: earlier or equal expanded position, fewer than `sliding_window` positions back;
 - full: earlier or equal expanded position;
-always within the same document (position ids restart at 0) and over real tokens only.
+always within the same document (position ids restart at 0) and over real tokens only. The head reads
+each token's final stream, or the sum of its streams under `stream_supervision="sum"`.
 """
 
 from __future__ import annotations
@@ -103,5 +104,7 @@ def reference_logits(model, input_ids, attention_mask=None, position_ids=None) -
         states = states + _attention(layer.self_attn, layer.input_layernorm(states), cos, sin, mask)
         mixed = layer.mlp(layer.post_attention_layernorm(states))
         states = states + (mixed[0] if isinstance(mixed, tuple) else mixed)
-    final = states.view(batch, length, streams, width)[:, :, -1]
+    # (B, L, S, D): the head reads the final stream, or under "sum" supervision the streams' sum (§5.1).
+    per_stream = states.view(batch, length, streams, width)
+    final = per_stream.sum(dim=2) if config.stream_supervision == "sum" else per_stream[:, :, -1]
     return model.lm_head(backbone.norm(final)).float()
