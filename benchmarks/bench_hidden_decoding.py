@@ -109,12 +109,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--quick", action="store_true", help="minuscule sizes, one round (smoke run)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device", default="cpu", help="torch device of the models (decode part only on cuda)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args(argv)
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
     args.parts = args.parts.split(",")
     args.decode_layouts = args.decode_layouts.split(",")
+    if args.device != "cpu" and set(args.parts) - {"decode"}:
+        parser.error(f"--device={args.device} times the decode part only: pass --parts decode")
     if not set(args.decode_layouts) <= {"all-full", "1-in-4"}:
         parser.error(f"--decode-layouts={args.decode_layouts} must be a subset of all-full,1-in-4")
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -131,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_source(args: argparse.Namespace) -> PlainDecoderForCausalLM:
+    """The seeded random source on `--device` in `--dtype`."""
     longest = max(args.seq_len, args.kv_prompt, max(args.decode_contexts) + args.decode_tokens + 1)
     config = PlainDecoderConfig(
         vocab_size=args.vocab,
@@ -143,7 +150,7 @@ def build_source(args: argparse.Namespace) -> PlainDecoderForCausalLM:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
-    return PlainDecoderForCausalLM(config).eval()
+    return PlainDecoderForCausalLM(config).eval().to(args.device, getattr(torch, args.dtype))
 
 
 def layouts(layers: int) -> dict[str, tuple[list[str], str]]:
@@ -174,6 +181,7 @@ def hidden_decoding_from(
     state = dict(source.state_dict())
     # (V, n·D): row v = [E(v) | E(v) | ...]
     state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].repeat(1, streams)
+    model = model.to(source.device, source.dtype)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -194,8 +202,15 @@ def check_exactness(source: PlainDecoderForCausalLM, models: dict, args: argpars
     return worst
 
 
-def prompt(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+def prompt(batch: int, length: int, vocab: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return ids.to(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a timer read after it measures that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -249,10 +264,12 @@ def greedy_decode(model, input_ids: torch.Tensor, steps: int, blocks: bool = Fal
     def run() -> float:
         with torch.inference_mode():
             cache, next_token = copy.deepcopy(prefilled), first_token
+            synchronize(input_ids.device)
             start = time.perf_counter()
             for _ in range(steps):
                 output = model(input_ids=next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
+            synchronize(input_ids.device)
             return time.perf_counter() - start
 
     return run
@@ -373,7 +390,7 @@ def bench_decode(source, args: argparse.Namespace) -> list[dict]:
     rows = []
     for batch in args.decode_batches:
         for context in args.decode_contexts:
-            input_ids = prompt(batch, context, args.vocab, args.seed + 4)
+            input_ids = prompt(batch, context, args.vocab, args.seed + 4, args.device)
             calls = {
                 key: greedy_decode(model, input_ids, args.decode_tokens) for key, model in models.items()
             }
@@ -555,7 +572,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"source: PlainDecoderForCausalLM layers={args.layers} hidden={args.hidden} "
         f"intermediate={args.intermediate} heads={args.heads} kv_heads={args.kv_heads} vocab={args.vocab} "
-        f"fp32 sdpa; 1-in-4 layout {default_stream_layout(args.layers, 4)}; "
+        f"{args.dtype} on {args.device}, "
+        f"sdpa; 1-in-4 layout {default_stream_layout(args.layers, 4)}; "
         f"threads={torch.get_num_threads()} torch={torch.__version__}; load average {_load()}"
     )
     if os.getloadavg()[0] > 0.5 * len(os.sched_getaffinity(0)):
