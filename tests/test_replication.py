@@ -6,12 +6,15 @@ import torch
 from hf_concept.modeling.packing import document_starts
 from hf_concept.modeling.pooling import readable_concept_index
 from hf_concept.modeling.replication import (
+    _expand_heads,
     concept_attention_counted,
     concept_counts,
+    concept_slot_weights,
     log_count_bias,
     preferred_form,
     replicate_concept_kv,
     replicated_concept_attention,
+    replication_attention_mask,
     run_count_bias,
     update_concept_counts,
 )
@@ -239,3 +242,25 @@ def test_the_automatic_form_follows_the_measured_crossover():
     assert [form for (_, training), form in sorted(chosen.items()) if not training] == ["counted"] + [
         "replicated"
     ] * 3
+
+
+@pytest.mark.parametrize(("num_heads", "kv_heads"), [(2, 2), (4, 2)])
+def test_slot_weights_are_the_replicated_weights_summed_per_slot(num_heads, kv_heads):
+    """What `output_attentions` reports for DLCM's cross-attention: per slot, the replicated form's
+    softmax over positions summed over the positions that carry the slot (both biases give it)."""
+    query_states, concept_k, _, index, mask, starts = make_case(ROWS, num_heads, kv_heads, seed=3)
+    num_slots = concept_k.shape[2]
+    keys, _ = replicate_concept_kv(
+        _expand_heads(concept_k, num_heads), _expand_heads(concept_k, num_heads), index
+    )
+    allowed = replication_attention_mask(index, mask, starts)
+    scores = (query_states @ keys.transpose(2, 3)) * query_states.shape[-1] ** -0.5
+    per_position = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    # (B, L, N): which slot each position carries
+    carried = torch.nn.functional.one_hot(index.clamp(min=0), num_slots).to(per_position.dtype)
+    expected = per_position @ (carried * (index >= 0)[..., None])[:, None]
+    for bias, sees in (
+        run_count_bias(index, mask, starts, num_slots, torch.float64),
+        log_count_bias(concept_counts(index, mask, starts, num_slots), torch.float64),
+    ):
+        torch.testing.assert_close(concept_slot_weights(query_states, concept_k, bias, sees), expected)

@@ -16,8 +16,13 @@ What it holds:
 Contract: a forward over tokens [0, n) followed by one over [n, m) with this cache gives the same
 outputs as one forward over [0, m) (the model's forward *is* the incremental step; a no-cache forward is
 the step from an empty state). Every batch operation (`reorder_cache`, `batch_repeat_interleave`,
-`batch_select_indices`) and `reset` covers every tensor here. Rolling back is not supported:
-`is_croppable` is False and `crop(n)` raises for n != 0.
+`batch_select_indices`) and `reset` covers every tensor here.
+
+Rolling back (`crop`, assisted decoding): the per-row state after a token inside a call is never
+materialised, so a crop returns to the last crop (token K/V cut to its length, concept slots and K/V cut
+to its slot count — both only ever grow — and its `ConceptState`, kept by reference since every call
+builds a new one) and feeds the kept tokens again (`family_cache`). A verification pass that rejects
+draft tokens therefore costs a second, shorter forward.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .forward_only_cache import ForwardOnlyCache
+from .family_cache import FamilyCache
 
 
 @dataclass
@@ -112,7 +117,7 @@ class ConceptState:
         return ConceptState(*(function(tensor) for tensor in self.tensors()))
 
 
-class ConceptCache(ForwardOnlyCache):
+class ConceptCache(FamilyCache):
     """Token K/V for encoder/decoder layers, concept K/V for concept layers, and the per-row state.
 
     Args:
@@ -120,8 +125,6 @@ class ConceptCache(ForwardOnlyCache):
         token_layer_ids: indices of the encoder and decoder layers (the ones with token K/V).
         num_concept_passes: concept layers run per call, loops unrolled (one K/V pair each).
     """
-
-    rollback_reason = "chunk state is not kept per token"
 
     def __init__(self, num_hidden_layers: int, token_layer_ids: list[int], num_concept_passes: int) -> None:
         super().__init__(layers=[DynamicLayer() for _ in range(num_hidden_layers)])
@@ -183,7 +186,38 @@ class ConceptCache(ForwardOnlyCache):
         self.concept_keys[pass_idx], self.concept_values[pass_idx] = keys, values
         return keys, values
 
+    def _snapshot(self) -> tuple[int, int, ConceptState | None] | None:
+        """(tokens, concept slots, state): the K/V only grow, so lengths give them back."""
+        if self.get_seq_length() == 0:
+            return None
+        state = None if self.state is None else self.state.map(lambda tensor: tensor)
+        return self.get_seq_length(), self.num_concept_slots, state
+
+    def _restore(self, snapshot: tuple[int, int, ConceptState | None] | None) -> None:
+        if snapshot is None:
+            self.reset()
+            return
+        tokens, slots, state = snapshot
+        for layer_idx in self.token_layer_ids:
+            self.layers[layer_idx].crop(tokens - self.layers[layer_idx].get_seq_length())
+        self.state = state
+        if slots == 0:
+            self.concept_valid = self.concept_documents = self.concept_positions = None
+            self.concept_keys = [None] * self.num_concept_passes
+            self.concept_values = [None] * self.num_concept_passes
+            return
+        for name in ("concept_valid", "concept_documents", "concept_positions"):
+            setattr(self, name, getattr(self, name)[:, :slots])
+        for store in (self.concept_keys, self.concept_values):
+            for index, tensor in enumerate(store):
+                if tensor is not None:
+                    store[index] = tensor[:, :, :slots]
+
     def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super()._apply_to_rows(function)
+        if self._rollback is not None and self._rollback[2] is not None:
+            tokens, slots, state = self._rollback
+            self._rollback = (tokens, slots, state.map(function))
         if self.state is not None:
             self.state = self.state.map(function)
         for name in ("concept_valid", "concept_documents", "concept_positions"):

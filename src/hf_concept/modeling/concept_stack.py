@@ -108,6 +108,10 @@ class ConceptStackMixin:
         position_ids, mask, starts = self.token_layout(
             inputs_embeds, attention_mask, position_ids, past_length
         )
+        if cache is not None:
+            # What `crop` needs to feed these tokens again (family_cache).
+            given_embeds = inputs_embeds if input_ids is None else None
+            cache.record_call(self, input_ids, given_embeds, attention_mask, position_ids)
         # The token masks are the plain family's (same layer types, same packing and padding rules).
         masks = PlainDecoderModel.attention_masks(self, inputs_embeds, attention_mask, cache, position_ids)
         layer_kwargs = dict(
@@ -235,14 +239,42 @@ class ConceptStackMixin:
         """Concept-layer indices in the order they run; one pass each unless the family loops them."""
         return list(range(len(self.concept_layers)))
 
+    def attention_modules(self) -> list[Any]:
+        """The module behind each entry of `attentions` (`ConceptModelOutput`): encoder self-attention,
+        concept passes, then each decoder layer's self-attention and its cross-attention if it has one."""
+        encoder = [layer.self_attn for layer in self.encoder_layers]
+        concept = [self.concept_layers[index].self_attn for index in self.concept_layer_schedule()]
+        decoder = [
+            module
+            for layer in self.decoder_layers
+            for module in (layer.self_attn, getattr(layer, "cross_attn", None))
+            if module is not None
+        ]
+        return encoder + concept + decoder
+
 
 @dataclass
 class ConceptModelOutput(ModelOutput):
-    """Base-model output: final-normed token states plus what the losses and metrics need."""
+    """Base-model output: final-normed token states plus what the losses and metrics need.
+
+    `attentions` (with `output_attentions=True` under eager attention; an empty tuple under sdpa): one
+    entry per attention run, in the order they run (`ConceptStackMixin.attention_modules`), with S the
+    cached plus new tokens and N the concept slots the call's concepts may read (all cached slots with a
+    cache, else the C new ones):
+    - each encoder layer's self-attention, (B, H, L, S), as Llama's;
+    - each concept pass (the concept layers in the order they run; ConceptMoE's `concept_loop` repeats
+      layers), (B, Hc, C, N): the call's new concepts over the slots. None in a call that emits no
+      concept (a decoding step inside a chunk); the rows of a sample that emits fewer than C are unused;
+    - each decoder layer's self-attention, (B, H, L, S); in DLCM followed by its cross-attention,
+      (B, Hx, L, 1 + N): the null concept, then per slot the weight the token gives it, summed over the
+      positions that carry it (concept replication, DLCM §4.1), which both cross-attention forms compute.
+    Rows of pads are meaningless (a pad token or an empty slot still attends somewhere, or gets zeros).
+    """
 
     last_hidden_state: torch.Tensor | None = None
     past_key_values: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor | None, ...] | None = None
     boundary_probs: torch.Tensor | None = None
     boundaries: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None
@@ -255,12 +287,14 @@ class ConceptCausalLMOutput(ModelOutput):
     the boundaries this pass used (sampled in training); `inference_compression_ratio`: the same with the
     inference decisions (thresholded) on the same tokens, what generation realises;
     `sampled_compression_ratio`: real tokens per boundary expected under training's sampler on the same
-    tokens (`routing.expected_boundaries`), so that evaluation reports the training rate too."""
+    tokens (`routing.expected_boundaries`), so that evaluation reports the training rate too.
+    `attentions`: the backbone's (`ConceptModelOutput`)."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     past_key_values: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor | None, ...] | None = None
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     compression_ratio: torch.Tensor | None = None

@@ -1,57 +1,15 @@
-"""`ForwardOnlyCache`: the rules shared by caches whose per-row state cannot be rolled back.
+"""How a family's forward takes the cache `generate` hands it (`adopt_cache`), and cache byte counts.
 
-`generate` may ask a cache to `crop` (assisted decoding, the one-step-late stop check on MPS); the concept
-and stream caches keep state that is not stored per token (open chunks, rolling windows), so they declare
-`is_croppable = False` and refuse every crop but the no-op one, naming what they cannot undo.
+The family caches themselves derive from `family_cache.FamilyCache` (batch operations, exact `crop`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-
-class ForwardOnlyCache(Cache):
-    """A `Cache` that only grows; subclasses say why in `rollback_reason`."""
-
-    rollback_reason = "its state is not kept per token"
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise ValueError(
-                f"tokens_to_remove={tokens_to_remove}: {type(self).__name__} cannot roll back "
-                f"({self.rollback_reason})"
-            )
-
-    def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch-dimension `function` to every per-row tensor kept beside `self.layers`
-        (subclasses with such state override this; the batch operations below call it)."""
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._apply_to_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._apply_to_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
-
-    def layer_bytes(self) -> int:
-        """Bytes of the keys and values stored in `self.layers`."""
-        total = 0
-        for layer in self.layers:
-            if layer.is_initialized:
-                total += sum(tensor.numel() * tensor.element_size() for tensor in (layer.keys, layer.values))
-        return total
+from .family_cache import FamilyCache
 
 
 def adopt_cache(
@@ -94,4 +52,4 @@ def cache_num_bytes(cache: Cache) -> int:
         return cache.num_bytes()
     if not isinstance(cache, Cache):
         raise ValueError(f"cache of type {type(cache).__name__} is not a transformers Cache")
-    return ForwardOnlyCache.layer_bytes(cache)
+    return FamilyCache.layer_bytes(cache)

@@ -10,6 +10,9 @@ Contract:
   sliding windows and packed documents all come from the mask the caller builds with
   `transformers.masking_utils`. Nothing in this file mixes information across positions otherwise:
   norms, MLPs and the MoE block act on each token alone.
+- Attention weights (`output_attentions=True`) are recorded by `AttentionRecorder`, only under the eager
+  kernel, the one that computes them; a caller that asks for them under another kernel gets a warning and
+  an empty tuple, as transformers' own models do.
 - Numerics follow transformers 5.23's Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen-MoE code (RMSNorm in fp32,
   rotate-half RoPE, softmax in fp32, top-k routing on fp32 probabilities), so that weights loaded from
   those checkpoints give the same logits.
@@ -24,7 +27,8 @@ shared_expert_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_l
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +36,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -247,6 +254,74 @@ def eager_attention_forward(
     return output, weights
 
 
+class AttentionRecorder:
+    """The attention weights of one forward, for `output_attentions=True`.
+
+    `recording_attentions(model, recorder)` hands the recorder to every module of `model` that has an
+    `attention_recorder` attribute (the attention modules) for the length of a block; each run of such a
+    module then records its weights. `entries(modules)` lays them out in the family's documented order.
+    `enabled` is False where the kernel computes no weights (not eager): nothing is recorded and
+    `entries` is the empty tuple, what transformers' models return there. The recorder lives on the
+    modules while the block runs, so one model object must not run a recorded and another forward at
+    the same time from two threads.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.runs: dict[int, list[torch.Tensor | None]] = {}
+
+    def record(self, module: nn.Module, weights: torch.Tensor | None) -> None:
+        self.runs.setdefault(id(module), []).append(weights)
+
+    def entries(self, modules: Iterable[nn.Module]) -> tuple[torch.Tensor | None, ...]:
+        """One entry per element of `modules`: that module's weights, in run order for a module listed k
+        times (its first k runs), None where it did not run; the empty tuple when not `enabled`."""
+        if not self.enabled:
+            return ()
+        taken: dict[int, int] = {}
+        result = []
+        for module in modules:
+            runs = self.runs.get(id(module), [])
+            index = taken.get(id(module), 0)
+            taken[id(module)] = index + 1
+            result.append(runs[index] if index < len(runs) else None)
+        return tuple(result)
+
+
+def attention_recorder(config, output_attentions: bool | None) -> AttentionRecorder | None:
+    """A recorder when attentions are asked for (`output_attentions`, else `config.output_attentions`),
+    None when not. Only the eager kernel computes weights: under another one the recorder is disabled
+    and a warning (once) says so, as transformers' sdpa kernel does."""
+    wanted = getattr(config, "output_attentions", False) if output_attentions is None else output_attentions
+    if not wanted:
+        return None
+    implementation = config._attn_implementation
+    if implementation != "eager":
+        logger.warning_once(
+            f"output_attentions=True returns no attention weights under attn_implementation="
+            f"{implementation!r} (attentions is an empty tuple): load the model with "
+            "attn_implementation='eager' or call model.set_attn_implementation('eager')."
+        )
+    return AttentionRecorder(enabled=implementation == "eager")
+
+
+@contextmanager
+def recording_attentions(model: nn.Module, recorder: AttentionRecorder | None) -> Iterator[None]:
+    """Hand `recorder` to the attention modules of `model` for the block; nothing when it is None or
+    disabled, so a forward that asks for no weights runs exactly as before."""
+    if recorder is None or not recorder.enabled:
+        yield
+        return
+    modules = [module for module in model.modules() if hasattr(module, "attention_recorder")]
+    for module in modules:
+        module.attention_recorder = recorder
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.attention_recorder = None
+
+
 def layer_type_of(config, layer_idx: int) -> str:
     layer_types = getattr(config, "layer_types", None)
     return layer_types[layer_idx] if layer_types else "full_attention"
@@ -256,7 +331,11 @@ class Attention(nn.Module):
     """Grouped-query self-attention with optional q/k/v bias, per-head q/k RMSNorm and sliding window.
 
     The kernel comes from `ALL_ATTENTION_FUNCTIONS` by `config._attn_implementation` (eager is ours).
+    While an `AttentionRecorder` is attached (`recording_attentions`), each run records the kernel's
+    (B, H, L, S) weights.
     """
+
+    attention_recorder: AttentionRecorder | None = None
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
@@ -348,6 +427,8 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             **kwargs,
         )
+        if self.attention_recorder is not None:
+            self.attention_recorder.record(self, weights)
         # (B, L, H·K)
         output = output.reshape(*output.shape[:2], -1).contiguous()
         return self.o_proj(output), weights

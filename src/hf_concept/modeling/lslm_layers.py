@@ -12,7 +12,7 @@ from torch import nn
 
 from .concept_stack import ConfigView
 from .configuration_lslm import LSLMConfig
-from .layers import DecoderLayer, RMSNorm, residual_body
+from .layers import AttentionRecorder, DecoderLayer, RMSNorm, eager_attention_forward, residual_body
 
 
 def stage_config(config: LSLMConfig, stage: str) -> ConfigView:
@@ -42,7 +42,13 @@ class BoundaryRouter(nn.Module):
 
 
 class SegmentCrossAttention(nn.Module):
-    """Decoder slots (Dd) attend to encoded segments (D) and a null segment, under a boolean mask."""
+    """Decoder slots (Dd) attend to encoded segments (D) and a null segment, under a boolean mask. While an
+    `AttentionRecorder` is attached it also records the (B, H, S, M) weights (eager products beside the
+    kernel's output)."""
+
+    attention_recorder: AttentionRecorder | None = None
+    # One key/value head per query head (what `eager_attention_forward` reads).
+    num_key_value_groups = 1
 
     def __init__(self, config: LSLMConfig) -> None:
         super().__init__()
@@ -67,6 +73,11 @@ class SegmentCrossAttention(nn.Module):
         batch, slots, _ = slot_states.shape
         query = self.q_proj(slot_states).view(batch, slots, self.num_heads, -1).transpose(1, 2)
         attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None])
+        if self.attention_recorder is not None:
+            _, weights = eager_attention_forward(
+                self, query, keys, values, allowed[:, None], scaling=self.head_dim**-0.5
+            )
+            self.attention_recorder.record(self, weights)
         return self.o_proj(attended.transpose(1, 2).reshape(batch, slots, -1))
 
 

@@ -27,6 +27,9 @@ Causality: a token at position t reads only real tokens <= t of its own document
 ("first": the chunk it is in; "sum"/"mean": the last *closed* chunk of its document, nothing in a
 document's first chunk); concept attention through the concept mask. Left padding through
 `attention_mask`, packed documents through `position_ids` restarting at 0.
+
+`output_attentions=True` (eager attention) returns the weights of encoder, concept passes and decoder,
+shapes in `concept_stack.ConceptModelOutput`.
 """
 
 from __future__ import annotations
@@ -56,7 +59,14 @@ from .concept_stack import (
     new_concept_cache,
 )
 from .configuration_conceptmoe import ConceptMoEConfig
-from .layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from .layers import (
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_recorder,
+    recording_attentions,
+)
 from .modeling_plain import init_backbone_weights
 from .packing import last_real_picker
 from .pooling import gather_concepts_to_tokens
@@ -221,26 +231,27 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         **kwargs: Any,
     ) -> ConceptModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
-        kwargs.pop("output_attentions", None)
+        recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
         step_in = self.begin_step(
             input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs
         )
         inputs_embeds, cache, position_ids = step_in.inputs_embeds, step_in.cache, step_in.position_ids
         mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
         all_states = [inputs_embeds]
-        token_states = self._run_token_layers(
-            self.encoder_layers, inputs_embeds, masks, all_states, None, layer_kwargs
-        )
-        step = self.concept_step(
-            token_states, mask, starts, position_ids, self.state_of(cache, token_states), cache
-        )
-        if cache is not None:
-            cache.state = step.state
-        factor = straight_through(step.probs, step.boundaries).unsqueeze(-1).to(token_states.dtype)
-        token_states = token_states + step.token_concepts * factor  # (B, L, D)
-        token_states = self._run_token_layers(
-            self.decoder_layers, token_states, masks, all_states, step.token_concepts, layer_kwargs
-        )
+        with recording_attentions(self, recorder):
+            token_states = self._run_token_layers(
+                self.encoder_layers, inputs_embeds, masks, all_states, None, layer_kwargs
+            )
+            step = self.concept_step(
+                token_states, mask, starts, position_ids, self.state_of(cache, token_states), cache
+            )
+            if cache is not None:
+                cache.state = step.state
+            factor = straight_through(step.probs, step.boundaries).unsqueeze(-1).to(token_states.dtype)
+            token_states = token_states + step.token_concepts * factor  # (B, L, D)
+            token_states = self._run_token_layers(
+                self.decoder_layers, token_states, masks, all_states, step.token_concepts, layer_kwargs
+            )
         all_states[-1] = self.norm(token_states)
         keep_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -249,6 +260,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
             last_hidden_state=all_states[-1],
             past_key_values=cache,
             hidden_states=tuple(all_states) if keep_states else None,
+            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
             boundary_probs=step.probs,
             boundaries=step.boundaries,
             token_mask=mask,

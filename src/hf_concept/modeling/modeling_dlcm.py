@@ -33,6 +33,10 @@ it takes `config.cross_attention_form` ("auto": the form measured faster on the 
 
 Causality: a token at position t reads only real tokens <= t of its own document; the concept of its
 own open chunk is never readable (its mean would include later tokens).
+
+`output_attentions=True` (eager attention) returns the weights of encoder, concept layers, and each
+decoder layer's self- and cross-attention (per concept slot), shapes in
+`concept_stack.ConceptModelOutput`.
 """
 
 from __future__ import annotations
@@ -56,15 +60,27 @@ from .concept_stack import (
     ConceptModelOutput,
     ConceptStackMixin,
     ConfigView,
+    TokenStep,
     new_concept_cache,
 )
 from .configuration_dlcm import DLCMConfig
-from .layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding, residual_body
+from .layers import (
+    MLP,
+    Attention,
+    AttentionRecorder,
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_recorder,
+    recording_attentions,
+    residual_body,
+)
 from .modeling_plain import init_backbone_weights
 from .packing import last_real_picker
 from .replication import (
     concept_attention_biased,
     concept_counts,
+    concept_slot_weights,
     flash_varlen_kernel,
     log_count_bias,
     preferred_form,
@@ -99,7 +115,11 @@ class ConceptReading:
 
 class ConceptCrossAttention(nn.Module):
     """Cross-attention from tokens (d_token) to concepts (d_concept) in a common head dim (eq. 12–14), with
-    RMSNorm on queries and keys (§4)."""
+    RMSNorm on queries and keys (§4). While an `AttentionRecorder` is attached it also records the
+    (B, Hx, L, N) weights per concept slot (`replication.concept_slot_weights`), beside the kernel's output.
+    """
+
+    attention_recorder: AttentionRecorder | None = None
 
     def __init__(self, config: DLCMConfig) -> None:
         super().__init__()
@@ -161,10 +181,25 @@ class ConceptCrossAttention(nn.Module):
                 scale=self.scaling,
                 plain_causal=reading.plain_causal,
             )
+        if self.attention_recorder is not None:
+            self.attention_recorder.record(self, self.slot_weights(query, concept_keys, reading))
         attended = self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))  # (B, L, D)
         if reading.confidence is not None:
             attended = attended * reading.confidence.unsqueeze(-1).to(attended.dtype)
         return attended
+
+    def slot_weights(
+        self, query: torch.Tensor, concept_keys: torch.Tensor, reading: ConceptReading
+    ) -> torch.Tensor:
+        """(B, Hx, L, N) weight of each token on each slot; the replicated form's log(count) bias is built
+        here (`replication.run_count_bias`), the counted form brings its own."""
+        bias, sees = reading.slot_bias, reading.sees
+        if bias is None:
+            bias_dtype = torch.promote_types(query.dtype, torch.float32)
+            bias, sees = run_count_bias(
+                reading.index, reading.mask, reading.starts, concept_keys.shape[2], bias_dtype
+            )
+        return concept_slot_weights(query, concept_keys, bias, sees, scale=self.scaling)
 
 
 class DLCMDecoderLayer(GradientCheckpointingLayer):
@@ -222,6 +257,14 @@ class DLCMPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_sdpa = True
     _supports_attention_backend = True
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # transformers decides from the source: an attention class on nn.Module that does not look its
+        # kernel up (ConceptCrossAttention, whose forms need no kernel choice) makes it refuse
+        # `set_attn_implementation`. Every attention that does choose reads `config._attn_implementation`
+        # when it runs, so switching after loading is safe.
+        return True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -321,14 +364,38 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         **kwargs: Any,
     ) -> ConceptModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
-        kwargs.pop("output_attentions", None)
+        recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
         step_in = self.begin_step(
             input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs
         )
-        inputs_embeds, cache, position_ids = step_in.inputs_embeds, step_in.cache, step_in.position_ids
+        all_states = [step_in.inputs_embeds]
+        with recording_attentions(self, recorder):
+            probs, opens = self.run_stages(step_in, all_states)
+        all_states[-1] = self.norm(all_states[-1])
+        keep_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        output = ConceptModelOutput(
+            last_hidden_state=all_states[-1],
+            past_key_values=step_in.cache,
+            hidden_states=tuple(all_states) if keep_states else None,
+            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
+            boundary_probs=probs,
+            boundaries=opens,
+            token_mask=step_in.mask,
+            document_starts=step_in.starts,
+        )
+        return output.to_tuple() if return_dict is False else output
+
+    def run_stages(
+        self, step_in: TokenStep, all_states: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder, boundaries, concept model and decoder over one call; appends each token layer's output
+        to `all_states` (the last one before the final norm) and returns the (B, L) probabilities and
+        boundaries."""
+        cache, position_ids = step_in.cache, step_in.position_ids
         mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
-        all_states = [inputs_embeds]
-        token_states = inputs_embeds
+        token_states = step_in.inputs_embeds
         for layer in self.encoder_layers:
             token_states, _ = layer(token_states, attention_mask=masks[layer.attention_type], **layer_kwargs)
             all_states.append(token_states)
@@ -361,20 +428,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
                 **layer_kwargs,
             )
             all_states.append(token_states)
-        all_states[-1] = self.norm(token_states)
-        keep_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        )
-        output = ConceptModelOutput(
-            last_hidden_state=all_states[-1],
-            past_key_values=cache,
-            hidden_states=tuple(all_states) if keep_states else None,
-            boundary_probs=probs,
-            boundaries=opens,
-            token_mask=mask,
-            document_starts=starts,
-        )
-        return output.to_tuple() if return_dict is False else output
+        return probs, opens
 
     def concept_model(
         self, emitted: EmittedConcepts, state: ConceptState, cache: ConceptCache | None

@@ -25,6 +25,8 @@ Contract:
   only (left padding through `attention_mask`).
 - With S = 1 every kind is plain causal attention: the model computes the plain family's logits.
 - The forward is the incremental step over a `StreamCache`: tokens [0, n) then [n, m) equal [0, m).
+- `output_attentions=True` (eager attention): one tensor per layer, shapes in `HiddenDecodingModelOutput`;
+  the last layer then runs for every stream (no final-stream shortcut), so that its weights are whole.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from .layers import (
     RotaryEmbedding,
     SparseMoeBlock,
     apply_rotary,
+    attention_recorder,
+    recording_attentions,
     repeat_kv,
 )
 from .modeling_plain import CausalLMMixin, default_position_ids, init_backbone_weights
@@ -139,7 +143,9 @@ class SharedKVAttention(Attention):
     Stream k of token i attends to the final stream's keys/values of the earlier tokens of its document
     plus its own key/value at token i; the final stream therefore sees exactly what per-stream intra
     attention gives it. Only the final stream's keys/values are cached. Same parameters as `Attention`.
-    Computed with explicit products (no fused kernel): an ablation path, O(S·L·(T + L)) scores.
+    Computed with explicit products (no fused kernel): an ablation path, O(S·L·(T + L)) scores. Recorded
+    weights are (B·S, H, L, T + L) as for per-stream intra layers: column t < i is token t's final-stream
+    key, the column of token i itself the stream's own key.
     """
 
     num_streams: int = 1
@@ -184,9 +190,21 @@ class SharedKVAttention(Attention):
         weights = nn.functional.dropout(weights, p=self.attention_dropout, training=self.training)
         output = torch.einsum("bshlm,bhmk->bshlk", weights[..., :-1], history_values)
         output = output + weights[..., -1:] * own_values
+        if self.attention_recorder is not None:
+            self.attention_recorder.record(self, own_key_in_place(weights, current))
         # (B·S, L, H·K)
         output = output.transpose(2, 3).reshape(batch * streams, length, -1)
         return self.o_proj(output), None
+
+
+def own_key_in_place(weights: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """Shared-KV weights (B, S, H, L, T + L + 1), the last column the own key's -> (B·S, H, L, T + L) with
+    the own key's weight at the current token's column (`current` (L,) its key index), where the history
+    holds the final stream's key, masked out for every stream."""
+    history, own = weights[..., :-1], weights[..., -1:]
+    index = current.view(1, 1, 1, -1, 1).expand(*own.shape)
+    merged = history.scatter_add(-1, index, own)
+    return merged.flatten(0, 1)
 
 
 class StreamDecoderLayer(DecoderLayer):
@@ -247,7 +265,16 @@ class StreamPositions:
 class HiddenDecodingModelOutput(MoeModelOutputWithPast):
     """`last_hidden_state` (B, L, D) is what the LM head reads, normed: the final stream of each token (the
     sum of its streams under "sum" supervision); `stream_states` (B, S, L, D) all streams, normed (only
-    with `output_stream_states=True`)."""
+    with `output_stream_states=True`).
+
+    `attentions` (`output_attentions=True` under eager attention; an empty tuple under sdpa): one tensor
+    per layer, T the cached plus new tokens, the keys as the layer's cache returns them:
+    - "intra" layers, (B·S, H, L, T): streams folded into the batch, row b·S + k is stream k of sample b
+      (`.unflatten(0, (B, S))` separates them); each stream over its own stream's tokens (shared KV: the
+      final stream's keys of earlier tokens and its own key at the current one, `SharedKVAttention`);
+    - "full" and "local" layers, (B, H, S·L, S·T) over the interleaved sequence (token i's stream k at
+      i·S + k); a local layer's keys past its cached window are the ones its cache keeps.
+    """
 
     stream_states: torch.Tensor | None = None
 
@@ -404,7 +431,7 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         **kwargs: Any,
     ) -> HiddenDecodingModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
-        kwargs.pop("output_attentions", None)
+        recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
         use_cache = self.config.use_cache if use_cache is None else use_cache
         stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
         batch, _, length, _ = stream_states.shape
@@ -416,6 +443,9 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             past_length = cache.get_seq_length() if cache is not None else 0
             position_ids = default_position_ids(attention_mask, length, past_length, stream_states.device)
         position_ids = position_ids.expand(batch, -1)
+        if cache is not None:
+            # What `crop` needs to feed these tokens again (family_cache).
+            cache.record_call(self, input_ids, inputs_embeds, attention_mask, position_ids)
         masks = self.stream_masks(stream_states, attention_mask, cache, position_ids)
         positions = self.stream_positions(stream_states, position_ids)
         keep_states = (
@@ -424,10 +454,13 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         keep_routers = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
-        final_only = not output_stream_states and self.final_stream_suffices(keep_routers)
-        stream_states, all_states, all_router_logits = self.run_layers(
-            stream_states, masks, positions, cache, final_only, **kwargs
-        )
+        # Recorded weights cover every stream's queries: the last layer then runs whole.
+        recording = recorder is not None and recorder.enabled
+        final_only = not (output_stream_states or recording) and self.final_stream_suffices(keep_routers)
+        with recording_attentions(self, recorder):
+            stream_states, all_states, all_router_logits = self.run_layers(
+                stream_states, masks, positions, cache, final_only, **kwargs
+            )
         # (B, L, D)
         head_states = self.norm(head_input_states(stream_states, self.config.stream_supervision))
         all_states[-1] = head_states
@@ -435,10 +468,15 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             last_hidden_state=head_states,
             past_key_values=cache,
             hidden_states=tuple(all_states) if keep_states else None,
+            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
             router_logits=tuple(all_router_logits) if keep_routers and all_router_logits else None,
             stream_states=self.norm(stream_states) if output_stream_states else None,
         )
         return output.to_tuple() if return_dict is False else output
+
+    def attention_modules(self) -> list[nn.Module]:
+        """The module behind each entry of `attentions`: every layer's stream attention, in order."""
+        return [layer.self_attn for layer in self.layers]
 
     def final_stream_suffices(self, keep_routers: bool) -> bool:
         """Whether nothing reads the last layer's outputs on streams other than the final one: not the

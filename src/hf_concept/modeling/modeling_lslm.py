@@ -39,6 +39,9 @@ its segment for the loss only, so a packed row gives its documents' logits. Caus
 of its own segment up to itself and segments that closed before its segment began, so logits at t depend
 on tokens <= t only.
 
+Attention weights (`output_attentions=True`, eager attention): token encoder, segment encoder, then each
+decoder layer's self- and cross-attention, shapes in `LSLMModelOutput`.
+
 Generation (`step`): a byte feeds the token encoder (one K/V column) and the router; when its segment
 closes (router, `<BoS>`/`<eos>`, or a marker), the open segment is pooled, run through the segment
 encoder once (its K/V cached) and its cross-attention K/V are stored; the decoder's self-attention cache
@@ -62,7 +65,14 @@ from .boundary_rules import rate_matched_ends
 from .chunking import concept_attention_mask
 from .configuration_lslm import LSLMConfig
 from .forward_only_cache import adopt_cache
-from .layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from .layers import (
+    AttentionRecorder,
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_recorder,
+    recording_attentions,
+)
 from .lslm_generation import SegmentCacheSteps
 from .lslm_layers import BoundaryRouter, SegmentDecoderLayer, stage_config
 from .lslm_layout import (
@@ -105,12 +115,14 @@ class LSLMCausalLMOutput(ModelOutput):
     probability that it opens one (`lslm_layout.opening_probs`: q of the byte before it, 1 where the
     opening is forced, 0 at markers and pads). `loss` is defined in `LSLMForCausalLM`.
 
-    `hidden_states` (with `output_hidden_states`, parallel pass only; None for cached steps): as
-    `LSLMModelOutput.hidden_states`."""
+    `hidden_states` (with `output_hidden_states`, parallel pass only; None for cached steps) and
+    `attentions` (with `output_attentions`, parallel pass and one-column cached steps): as in
+    `LSLMModelOutput`."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     past_key_values: Cache | None = None
+    attentions: tuple[torch.Tensor | None, ...] | None = None
     lm_loss: torch.Tensor | None = None
     kl_loss: torch.Tensor | None = None
     boundary_rate: torch.Tensor | None = None
@@ -136,6 +148,22 @@ class LSLMModelOutput(BaseModelOutput):
     hold no byte (pads, `<bos>`/`<nxt>` markers) are zero, since the token encoder never reads them.
     `boundaries` (B, T) bool: True where an input token opens a segment; `boundary_probs` (B, T) float32:
     the probability that it opens one (as `LSLMCausalLMOutput.boundary_probs`).
+
+    `attentions` (with `output_attentions=True` under eager attention; an empty tuple under sdpa): one
+    entry per attention module in the order they run (`LSLMModel.attention_modules`), each stage in its
+    own positions:
+    - each token-encoder layer, (B, Ht, T, T') over the token encoder's columns: in a parallel pass the
+      byte view (`ByteView`: each row's bytes in order at its right end, pads and markers moved left, so
+      equal to the input columns when the input holds no markers), T' = T; in a cached step the new
+      column over the token cache (the prefill's byte view, then one column per step; a marker's column
+      is a hole no one attends to);
+    - each segment-encoder layer, (B, H, M, M') over segments (M' the stored ones with a cache); in a
+      cached step (B, H, 1, M') for the segment the step closes, None when no row closes one (the rows
+      that close none are unused);
+    - per decoder layer its self-attention, (B, Hd, S, S') over the decoder's slots (`DecoderSlots`; in a
+      cached step the new slot over the open segment's stored slots), then its cross-attention,
+      (B, Hd, S, 1 + M'): the null segment, then the segments.
+    Rows of pads and of empty slots are meaningless.
     """
 
     boundaries: torch.Tensor | None = None
@@ -147,7 +175,8 @@ class LSLMPass:
     """One parallel pass, what the heads read: the real-column `mask` (B, T), the `view`, the
     `segmentation` and decoder `slots`, the (B, S, Dd) normed `slot_states`, `column_slots` (B, T) (the
     slot each input column reports, `lslm_layout.token_slots`), `boundaries` and `boundary_probs` (B, T)
-    at the input columns, the `hidden_states` tuple (or None) and the `cache` it filled (or None)."""
+    at the input columns, the `hidden_states` tuple (or None), the `cache` it filled (or None) and the
+    `attentions` tuple (with an `AttentionRecorder`, else None)."""
 
     mask: torch.Tensor
     view: ByteView
@@ -159,6 +188,7 @@ class LSLMPass:
     boundary_probs: torch.Tensor
     hidden_states: tuple[torch.Tensor, ...] | None
     cache: SegmentCache | None
+    attentions: tuple[torch.Tensor | None, ...] | None = None
 
     def column_states(self) -> torch.Tensor:
         """(B, T, Dd) the slot state each input column reports."""
@@ -248,6 +278,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs: Any,
     ) -> LSLMModelOutput | tuple:
         """(B, T) ids -> `LSLMModelOutput`: the byte-level states `LSLMForCausalLM.lm_head` reads."""
@@ -256,11 +287,16 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         layout = self.parallel_pass(
-            input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
+            input_ids,
+            attention_mask,
+            position_ids,
+            output_hidden_states=output_hidden_states,
+            recorder=attention_recorder(self.config, output_attentions),
         )
         output = LSLMModelOutput(
             last_hidden_state=layout.column_states(),
             hidden_states=layout.hidden_states,
+            attentions=layout.attentions,
             boundaries=layout.boundaries,
             boundary_probs=layout.boundary_probs,
         )
@@ -275,10 +311,12 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         cache: SegmentCache | None = None,
         output_hidden_states: bool = False,
         cache_required: bool = True,
+        recorder: AttentionRecorder | None = None,
     ) -> LSLMPass:
         """Every segment at once (training, full recomputation, the prefill of generation); fills `cache`
         when given. A cache continues one document per row: with packed rows it is refused, or dropped
-        (not filled, `LSLMPass.cache` None) when not `cache_required` (the config's default cache)."""
+        (not filled, `LSLMPass.cache` None) when not `cache_required` (the config's default cache).
+        `recorder` records the pass's attention weights (not those of filling the cache)."""
         batch, length = input_ids.shape
         mask = token_mask(attention_mask, (batch, length), input_ids.device)
         if position_ids is None:
@@ -290,17 +328,18 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
                 raise ValueError("use_cache with packed documents: generation continues one document per row")
             cache = None
         layer_states = [] if output_hidden_states else None
-        token_states = self.encode_tokens(view, cache, layer_states)
-        segmentation = self.segment(view, token_states)
-        segment_store = None
-        if cache is not None:
-            segment_store = cache.segment_store
-            segment_store.fill(closed_segments(segmentation, view))
-        segments, segment_valid, segment_documents = self.encode_segments(
-            token_states, segmentation, view, segment_store
-        )
-        slots = self.decoder_slots(view, segmentation)
-        slot_states = self.decode(slots, segments, segment_valid, segment_documents)  # (B, S, Dd)
+        with recording_attentions(self, recorder):
+            token_states = self.encode_tokens(view, cache, layer_states)
+            segmentation = self.segment(view, token_states)
+            segment_store = None
+            if cache is not None:
+                segment_store = cache.segment_store
+                segment_store.fill(closed_segments(segmentation, view))
+            segments, segment_valid, segment_documents = self.encode_segments(
+                token_states, segmentation, view, segment_store
+            )
+            slots = self.decoder_slots(view, segmentation)
+            slot_states = self.decode(slots, segments, segment_valid, segment_documents)  # (B, S, Dd)
         if cache is not None:
             self.fill_cache(cache, view, token_states, segmentation, segments)
             cache.items = length
@@ -320,7 +359,16 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             ),
             hidden_states=hidden_states,
             cache=cache,
+            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
         )
+
+    def attention_modules(self) -> list[nn.Module]:
+        """The module behind each entry of `attentions` (`LSLMModelOutput`): token-encoder and
+        segment-encoder self-attention, then each decoder layer's self- and cross-attention."""
+        token = [layer.self_attn for layer in self.token_layers]
+        segment = [layer.self_attn for layer in self.segment_layers]
+        decoder = [module for layer in self.decoder_layers for module in (layer.self_attn, layer.cross_attn)]
+        return token + segment + decoder
 
     def encode_tokens(
         self,
@@ -527,6 +575,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
+        output_attentions: bool | None = None,
         **kwargs: Any,
     ) -> LSLMCausalLMOutput | tuple:
         if inputs_embeds is not None:
@@ -541,13 +590,12 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         implicit = use_cache is None
         create = (self.config.use_cache and not self.training) if implicit else use_cache
         cache = adopt_cache(past_key_values, SegmentCache, self.model.new_cache, bool(create), "LSLM")
+        if cache is not None:
+            # What `crop` needs to feed these columns again (family_cache).
+            cache.record_call(self, input_ids, None, attention_mask, position_ids)
+        recorder = attention_recorder(self.config, output_attentions)
         if cache is not None and cache.get_seq_length() > 0:
-            mask = token_mask(attention_mask, tuple(input_ids.shape), input_ids.device)
-            steps = [
-                self.model.step(input_ids[:, column], mask[:, column], cache)
-                for column in range(mask.shape[1])
-            ]
-            output = LSLMCausalLMOutput(logits=self.lm_head(torch.stack(steps, dim=1)), past_key_values=cache)
+            output = self.cached_steps(input_ids, attention_mask, cache, recorder)
         else:
             if output_hidden_states is None:
                 output_hidden_states = self.config.output_hidden_states
@@ -558,10 +606,36 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
                 cache,
                 output_hidden_states=output_hidden_states,
                 cache_required=not (implicit and past_key_values is None),
+                recorder=recorder,
             )
             output = self.heads(layout, labels, num_items_in_batch)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return output if return_dict else output.to_tuple()
+
+    def cached_steps(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: SegmentCache,
+        recorder: AttentionRecorder | None,
+    ) -> LSLMCausalLMOutput:
+        """Logits of the input columns advanced one at a time over a filled cache (no loss)."""
+        mask = token_mask(attention_mask, tuple(input_ids.shape), input_ids.device)
+        if recorder is not None and recorder.enabled and mask.shape[1] > 1:
+            raise ValueError(
+                "output_attentions with a filled SegmentCache needs one input column per call (as generate "
+                f"passes), got {mask.shape[1]}: each column's step attends over different keys"
+            )
+        with recording_attentions(self.model, recorder):
+            steps = [
+                self.model.step(input_ids[:, column], mask[:, column], cache)
+                for column in range(mask.shape[1])
+            ]
+        return LSLMCausalLMOutput(
+            logits=self.lm_head(torch.stack(steps, dim=1)),
+            past_key_values=cache,
+            attentions=None if recorder is None else recorder.entries(self.model.attention_modules()),
+        )
 
     def heads(
         self, layout: LSLMPass, labels: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None
@@ -585,6 +659,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
             past_key_values=layout.cache,
             boundaries=layout.boundaries,
             hidden_states=layout.hidden_states,
+            attentions=layout.attentions,
             boundary_probs=layout.boundary_probs,
             **fields,
         )

@@ -15,6 +15,8 @@ Contract:
   (eager/sdpa, no mask, no cache) or through the flash kwargs.
 - Without `position_ids`, positions count real tokens (`cumsum(attention_mask) - 1`), so a left-padded
   row gives the same logits as the row alone; without a mask they continue from the cache length.
+- `output_attentions=True` (eager attention): `attentions` holds one (B, H, L, S) tensor per layer, as
+  Llama's; under sdpa it is an empty tuple, with a warning (`layers.attention_recorder`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import ModelOutput, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from .configuration_plain import PlainDecoderConfig
-from .layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, attention_recorder, recording_attentions
 
 
 def default_position_ids(
@@ -151,8 +153,8 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         return_dict = kwargs.pop("return_dict", None)
-        # Attention weights are not collected; the flag must not reach the kernels either.
-        kwargs.pop("output_attentions", None)
+        # The weights are recorded here; the flag itself must not reach the kernels.
+        recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if inputs_embeds is None:
             # (B, L, D)
@@ -166,15 +168,16 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
             )
         masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        all_states, all_router_logits = self.run_layers(
-            inputs_embeds,
-            masks,
-            position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_ids=position_ids,
-            **kwargs,
-        )
+        with recording_attentions(self, recorder):
+            all_states, all_router_logits = self.run_layers(
+                inputs_embeds,
+                masks,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_ids=position_ids,
+                **kwargs,
+            )
         keep_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
@@ -185,9 +188,14 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
             last_hidden_state=all_states[-1],
             past_key_values=past_key_values,
             hidden_states=tuple(all_states) if keep_states else None,
+            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
             router_logits=tuple(all_router_logits) if keep_routers and all_router_logits else None,
         )
         return output.to_tuple() if return_dict is False else output
+
+    def attention_modules(self) -> list[nn.Module]:
+        """The module behind each entry of `attentions`: every layer's self-attention, in order."""
+        return [layer.self_attn for layer in self.layers]
 
     def run_layers(
         self, token_states: torch.Tensor, masks: dict[str, Any], **layer_kwargs: Any
@@ -219,11 +227,11 @@ class CausalLMMixin:
     """`forward` of every causal LM here: backbone, LM head, loss and output fields.
 
     The class sets `model` (a backbone returning at least `last_hidden_state`, `past_key_values`,
-    `hidden_states`), `lm_head` and `output_class`. `loss_and_fields` gives the loss and the family's
-    output fields: here the next-token cross-entropy alone, the router logits and `extra_output_fields`
-    copied from the backbone's output (plain, Hidden Decoding); the concept families add their
-    auxiliary loss and metrics. Extra keyword arguments reach the backbone and the loss (which ignores
-    what it does not know).
+    `hidden_states`, `attentions`), `lm_head` and `output_class`. `loss_and_fields` gives the loss and
+    the family's output fields: here the next-token cross-entropy alone, the router logits and
+    `extra_output_fields` copied from the backbone's output (plain, Hidden Decoding); the concept
+    families add their auxiliary loss and metrics. Extra keyword arguments reach the backbone and the
+    loss (which ignores what it does not know); `output_attentions` reaches the backbone alone.
     """
 
     output_class: ClassVar[type] = MoeCausalLMOutputWithPast
@@ -242,8 +250,8 @@ class CausalLMMixin:
         **kwargs: Any,
     ) -> ModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
-        # Attention weights are not collected; the flag must not reach the kernels either.
-        kwargs.pop("output_attentions", None)
+        # For the backbone alone: the loss must not receive it.
+        output_attentions = kwargs.pop("output_attentions", None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -251,6 +259,7 @@ class CausalLMMixin:
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
             **self.backbone_kwargs(labels, kwargs),
         )
         # (B, L_kept, V)
@@ -259,6 +268,7 @@ class CausalLMMixin:
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             **self.loss_and_fields(outputs, logits, labels, kwargs),
         )
         return output.to_tuple() if return_dict is False else output
@@ -290,7 +300,8 @@ class PlainDecoderForCausalLM(CausalLMMixin, PlainDecoderPreTrainedModel, Genera
 
     `labels` (B, L) give the usual shifted cross-entropy through `self.loss_function`, so the Trainer's
     `num_items_in_batch` normalisation applies. `output_router_logits=True` returns the per-layer (N, E)
-    router logits of sparse layers.
+    router logits of sparse layers; `output_attentions=True` (eager) one (B, H, L, S) tensor per layer, S
+    the cached plus new positions.
     """
 
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}

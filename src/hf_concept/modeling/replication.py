@@ -266,6 +266,26 @@ def concept_attention_biased(
     return attended.masked_fill(~sees[:, None, :, None], 0.0)
 
 
+def concept_slot_weights(
+    query_states: torch.Tensor,
+    concept_k: torch.Tensor,
+    bias: torch.Tensor,
+    sees: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, H, L, N) attention weights per slot, softmax(q·k·scale + log count) in at least fp32 and cast
+    back: the weights of the counted form, and the replicated form's weights summed over the positions
+    that carry each slot (c identical keys weigh c·e^{q·k}). `bias`, `sees` as for
+    `concept_attention_biased`; rows that see nothing are zero."""
+    num_heads, head_dim = query_states.shape[1], query_states.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    keys = _expand_heads(concept_k, num_heads)
+    dtype = torch.promote_types(query_states.dtype, torch.float32)
+    scores = torch.matmul(query_states, keys.transpose(2, 3)).to(dtype) * scale + bias.unsqueeze(1).to(dtype)
+    weights = torch.softmax(scores, dim=-1).masked_fill(~sees[:, None, :, None], 0.0)
+    return weights.to(query_states.dtype)
+
+
 # benchmarks/bench_dlcm.py part 1 on the 2-core CPU VM (BENCHMARKS.md, 2026-11-25; B = 1, 8 heads x 64,
 # L = 1k-8k): the counted form takes 0.25-0.62x the replicated time at R = 4 and 8 at every length, forward
 # and forward+backward; at R = 2 it wins forward+backward up to 4k tokens (0.72-0.98x) and the forward alone

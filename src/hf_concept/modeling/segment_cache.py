@@ -18,17 +18,25 @@ What one generation step needs, and where it is kept:
 
 `get_seq_length()` counts the input columns seen (bytes, markers and pads alike), as `generate` needs.
 Batch operations (`reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`) act on every
-per-row tensor. Rolling back is not supported (`is_croppable` is False).
+per-row tensor.
+
+Rolling back (`crop`, assisted decoding): a closed segment is pooled and encoded once, and the decoder
+and open-segment stores are overwritten when the next segment starts, so no column's state can be sliced
+out. A crop returns to the last crop and replays the kept columns (`family_cache`): the token-encoder K/V,
+`token_valid` and the segment and cross stores only grow after it, so their lengths give them back; the
+decoder store and the open segment's states, written in place, are copied at each crop (one segment's
+worth). A crop into the prompt's parallel pass replays that pass over the kept columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .forward_only_cache import ForwardOnlyCache
+from .family_cache import FamilyCache
 
 
 class RaggedStore:
@@ -115,14 +123,12 @@ class RaggedStore:
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-class SegmentCache(ForwardOnlyCache):
+class SegmentCache(FamilyCache):
     """Everything an LSLM needs to write the next byte (see the module docstring).
 
     Args:
         token_encoder_layers: layers of the token encoder (their K/V live in `self.layers`).
     """
-
-    rollback_reason = "closed segments are pooled and encoded, not kept per byte"
 
     def __init__(self, token_encoder_layers: int) -> None:
         super().__init__(layers=[DynamicLayer() for _ in range(max(token_encoder_layers, 1))])
@@ -166,13 +172,56 @@ class SegmentCache(ForwardOnlyCache):
     def _per_row(self) -> list[str]:
         return ["token_valid", "byte_counts", "open_states", "open_counts", "rate_units"]
 
+    def _stores(self) -> dict[str, RaggedStore]:
+        return {"segment": self.segment_store, "cross": self.cross_store, "decoder": self.decoder_store}
+
+    def _snapshot(self) -> dict[str, Any] | None:
+        """Lengths of what only grows; copies of the decoder store and the open segment (overwritten)."""
+        if self.items == 0:
+            return None
+        fields = {name: getattr(self, name) for name in self._per_row()}
+        fields["open_states"] = self.open_states.clone()
+        decoder = self.decoder_store
+        return {
+            "items": self.items,
+            "tokens": self.layers[0].get_seq_length(),
+            "fields": fields,
+            "lengths": {name: store.lengths for name, store in self._stores().items()},
+            "decoder": [
+                {key: tensor.clone() for key, tensor in part.items()}
+                for part in (decoder.keys, decoder.values)
+            ],
+        }
+
+    def _restore(self, snapshot: dict[str, Any] | None) -> None:
+        if snapshot is None:
+            self.reset()
+            return
+        for layer in self.layers:
+            layer.crop(snapshot["tokens"] - layer.get_seq_length())
+        self.items = snapshot["items"]
+        for name, tensor in snapshot["fields"].items():
+            setattr(self, name, tensor)
+        for name, store in self._stores().items():
+            store.lengths, store.writing = snapshot["lengths"][name], None
+        # Handed over: the crop that restores takes a new snapshot right after.
+        self.decoder_store.keys, self.decoder_store.values = snapshot["decoder"]
+
     def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super()._apply_to_rows(function)
         for name in self._per_row():
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, function(tensor))
-        for store in (self.segment_store, self.cross_store, self.decoder_store):
+        for store in self._stores().values():
             store.apply(function)
+        snapshot = self._rollback
+        if snapshot is not None:
+            snapshot["fields"] = {name: function(tensor) for name, tensor in snapshot["fields"].items()}
+            snapshot["lengths"] = {name: function(tensor) for name, tensor in snapshot["lengths"].items()}
+            snapshot["decoder"] = [
+                {key: function(tensor) for key, tensor in part.items()} for part in snapshot["decoder"]
+            ]
 
     def num_bytes(self) -> int:
         """Bytes held by every tensor of the cache (K/V of all stores and the per-row state)."""

@@ -4,11 +4,11 @@ Legend: B batch, S streams (the paper's n), T cached tokens, G key/value heads, 
 
 One layer store per decoder layer, by the layer's stream attention kind:
 - "intra", stream_kv "per_stream": a growing layer over the streams folded into the batch,
-  (B·S, G, T, K), row b·S + k holding stream k of row b (a `DynamicSlidingWindowLayer` keeping
+  (B·S, G, T, K), row b·S + k holding stream k of row b (a `RollbackWindowLayer` keeping
   intra_window - 1 tokens when the intra layers have a window);
 - "intra", stream_kv "shared": a `DynamicLayer` (B, G, T, K) holding the final stream only;
 - "full": a `DynamicLayer` over the interleaved sequence, (B, G, S·T, K);
-- "local": a `DynamicSlidingWindowLayer` over the interleaved sequence (at most W - 1 slots kept).
+- "local": a `RollbackWindowLayer` over the interleaved sequence (at most W - 1 slots kept).
 
 Lengths: `get_seq_length()` counts tokens, as `generate` needs (HF_NOTES §2); `get_query_offset(i)` and
 `get_mask_sizes(q, i)` speak the units of layer i (tokens for intra layers, expanded slots for the others),
@@ -21,16 +21,25 @@ avoidable cost of a decode step, issue 18). `keys`/`values` are views of the fil
 
 Contract: a forward over tokens [0, n) followed by one over [n, m) with this cache gives the same outputs
 as one forward over [0, m). Batch operations (`reorder_cache`, `batch_repeat_interleave`,
-`batch_select_indices`) act on rows of B and move the S folded rows of each together. Rolling back is not
-supported: `is_croppable` is False and `crop(n)` raises for n != 0.
+`batch_select_indices`) act on rows of B and move the S folded rows of each together.
+
+Rolling back (`crop(-n)`, assisted decoding): every layer loses n tokens' slots (n·S in local and full
+layers, n in intra ones). Growing layers just slice. A window cannot give back what it dropped, so window
+layers are `RollbackWindowLayer`s: their window is a view of their latest update's concatenation (as in
+transformers' layer, so no extra memory) and they keep a handle on that concatenation; removing tokens
+of the latest call, what a verification pass of assisted decoding needs, is then a slice. A crop that
+reaches further back (a draft model's cache gives back tokens of several one-token calls) returns to the
+last crop and replays the kept tokens (`family_cache`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .forward_only_cache import ForwardOnlyCache
+from .family_cache import FamilyCache
 
 STREAM_LAYER_KINDS = ("intra", "local", "full")
 # Tokens of room a growing buffer gains at a time: a reallocation (one copy of the history) per this many
@@ -98,7 +107,75 @@ class BlockGrowthLayer(DynamicLayer):
         super().reset()
 
 
-class StreamCache(ForwardOnlyCache):
+class RollbackWindowLayer(DynamicSlidingWindowLayer):
+    """A `DynamicSlidingWindowLayer` that can give back the entries of its latest update.
+
+    As in transformers' layer, `keys`/`values` hold the window (the last `sliding_window - 1` entries) as
+    a view of the latest concatenation, which that view keeps alive anyway; `latest` keeps a handle on that
+    concatenation, so `crop` can remove the latest update's entries and still have the window before them,
+    at no extra memory. While `record_past` is on (`activate_past_recording`) the layer keeps every entry
+    since the last `crop` in `keys`, as transformers' does.
+    """
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__(sliding_window)
+        self.latest: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, G, L, K) entries; return (B, G, min(T, W - 1) + L, K), what the new queries may read."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        if self.record_past:
+            self.keys, self.values, self.latest = keys, values, None
+        else:
+            self.keys, self.values = self._window(keys), self._window(values)
+            self.latest = keys, values
+        visible = self.sliding_window - 1 + key_states.shape[-2]
+        return keys[:, :, -visible:], values[:, :, -visible:]
+
+    def _window(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last `sliding_window - 1` entries of (B, G, T, K) `tensor` (a view)."""
+        return tensor[:, :, tensor.shape[-2] - min(tensor.shape[-2], self.sliding_window - 1) :]
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.latest if self.latest is not None else (self.keys, self.values)
+
+    def can_remove(self, count: int) -> bool:
+        """Whether the window that `count` fewer entries leave is still held."""
+        held = self._held()[0].shape[-2] if self.is_initialized else 0
+        remaining = self.cumulative_length - count
+        return remaining >= 0 and held - count >= min(remaining, self.sliding_window - 1)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` entries and keep the window before them (`crop(0)` only
+        drops what was kept for a rollback)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove={tokens_to_remove}: crop takes a negative count")
+        if not self.is_initialized:
+            return
+        count = -tokens_to_remove
+        if not self.can_remove(count):
+            raise ValueError(
+                f"tokens_to_remove={tokens_to_remove}: this window layer no longer holds the "
+                f"{self.sliding_window - 1} entries before them"
+            )
+        keys, values = self._held()
+        end = keys.shape[-2] - count
+        self.keys, self.values = self._window(keys[:, :, :end]), self._window(values[:, :, :end])
+        self.cumulative_length -= count
+        self.latest = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.latest = None
+
+
+class StreamCache(FamilyCache):
     """Per-layer key/value stores shaped by the stream attention layout.
 
     Args:
@@ -108,8 +185,6 @@ class StreamCache(ForwardOnlyCache):
         stream_kv: "per_stream" or "shared" (intra layers keep only the final stream).
         intra_window: window of the intra layers in tokens (None: unbounded).
     """
-
-    rollback_reason = "local and windowed intra layers keep a rolling window"
 
     def __init__(
         self,
@@ -127,9 +202,9 @@ class StreamCache(ForwardOnlyCache):
         layers = []
         for kind in stream_attention_layout:
             if kind == "local":
-                layers.append(DynamicSlidingWindowLayer(sliding_window))
+                layers.append(RollbackWindowLayer(sliding_window))
             elif kind == "intra" and intra_window is not None:
-                layers.append(DynamicSlidingWindowLayer(intra_window))
+                layers.append(RollbackWindowLayer(intra_window))
             else:
                 layers.append(BlockGrowthLayer(GROWTH_BLOCK_TOKENS * (1 if kind == "intra" else num_streams)))
         super().__init__(layers=layers)
@@ -154,6 +229,49 @@ class StreamCache(ForwardOnlyCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
+    def _crop_in_place(self, tokens: int) -> bool:
+        """Slice every layer when every window still holds what the kept tokens need."""
+        counts = [tokens * slots for slots in self.slots_per_token]
+        windows = [
+            (layer, count)
+            for layer, count in zip(self.layers, counts, strict=True)
+            if isinstance(layer, RollbackWindowLayer)
+        ]
+        if not all(layer.can_remove(count) for layer, count in windows):
+            return False
+        for layer, count in zip(self.layers, counts, strict=True):
+            layer.crop(-count)
+        return True
+
+    def _snapshot(self) -> list[Any] | None:
+        """Per layer: a window's (keys, values, cumulative length) or None, a growing layer's length."""
+        if self.get_seq_length() == 0:
+            return None
+        snapshot = []
+        for layer in self.layers:
+            if not isinstance(layer, RollbackWindowLayer):
+                snapshot.append(layer.get_seq_length())
+            elif layer.is_initialized:
+                snapshot.append((layer.keys, layer.values, layer.cumulative_length))
+            else:
+                snapshot.append(None)
+        return snapshot
+
+    def _restore(self, snapshot: list[Any] | None) -> None:
+        if snapshot is None:
+            for layer in self.layers:
+                layer.reset()
+            return
+        for layer, kept in zip(self.layers, snapshot, strict=True):
+            if not isinstance(layer, RollbackWindowLayer):
+                # Growing layers only ever append after the snapshot: slicing gives it back.
+                layer.crop(kept - layer.get_seq_length())
+            elif kept is None:
+                layer.reset()
+            else:
+                layer.keys, layer.values, layer.cumulative_length = kept
+                layer.latest = None
+
     def _rows(self, index: torch.Tensor, fold: int) -> torch.Tensor:
         """Row indices of a folded store for (B',) row indices of the batch."""
         if fold == 1:
@@ -162,11 +280,21 @@ class StreamCache(ForwardOnlyCache):
         return (index[:, None] * fold + streams).reshape(-1)
 
     def _apply(self, index: torch.Tensor) -> None:
-        for layer, fold in zip(self.layers, self.folds, strict=True):
+        """Keep rows `index` (B',) of the batch in every layer, the rollback point and the journal."""
+        snapshot = self._rollback
+        for position, (layer, fold) in enumerate(zip(self.layers, self.folds, strict=True)):
             if layer.is_initialized and layer.keys.numel() > 0:
                 rows = self._rows(index.to(layer.keys.device), fold)
                 layer.keys = layer.keys.index_select(0, rows)
                 layer.values = layer.values.index_select(0, rows)
+            if isinstance(layer, RollbackWindowLayer):
+                # Rows moved: a later crop replays instead of slicing the latest update.
+                layer.latest = None
+            if snapshot is not None and isinstance(snapshot[position], tuple):
+                keys, values, length = snapshot[position]
+                rows = self._rows(index.to(keys.device), fold)
+                snapshot[position] = (keys.index_select(0, rows), values.index_select(0, rows), length)
+        self._apply_to_rows(lambda tensor: tensor.index_select(0, index.to(tensor.device)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(beam_idx)
@@ -178,13 +306,17 @@ class StreamCache(ForwardOnlyCache):
         self._apply(index)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        batch = self._batch_size()
+        if batch:
+            device = next(layer.keys.device for layer in self.layers if layer.is_initialized)
+            self._apply(torch.arange(batch, device=device).repeat_interleave(repeats))
+
+    def _batch_size(self) -> int:
+        """B, read from the first stored layer (0 when nothing is stored)."""
         for layer, fold in zip(self.layers, self.folds, strict=True):
             if layer.is_initialized and layer.keys.numel() > 0:
-                batch = layer.keys.shape[0] // fold
-                index = torch.arange(batch, device=layer.keys.device).repeat_interleave(repeats)
-                rows = self._rows(index, fold)
-                layer.keys = layer.keys.index_select(0, rows)
-                layer.values = layer.values.index_select(0, rows)
+                return layer.keys.shape[0] // fold
+        return 0
 
     def num_bytes(self) -> int:
         """Bytes held by the stored keys and values of every layer."""
