@@ -221,13 +221,9 @@ def test_the_saved_weights_are_the_trained_model(runs):
     assert_close(runs["fsdp"][1]["logits"], trained["logits"], rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer.save_model calls save_pretrained on the FSDP2 class (FSDPConceptMoEForCausalLM, made by "
-    "fully_shard): transformers copies torch's _fsdp_*.py files instead of the model's code and writes "
-    "auto_map to _fsdp_init.FSDPConceptMoEForCausalLM (README, FSDP)",
-)
 def test_the_saved_folder_loads_as_remote_code(runs):
+    """FSDP2 saves through torch's wrapper class (FSDPConceptMoEForCausalLM); `restore_remote_code` puts the
+    model's own modules and class back, so the folder loads without hf_concept's classes."""
     folder = runs["output"]
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_conceptmoe.ConceptMoEForCausalLM", auto_map

@@ -4,6 +4,7 @@ into the output folder atomically (staging folder, then moved into place with co
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import os
@@ -163,6 +164,44 @@ def _save_final(trainer: RecipeTrainer, model: PreTrainedModel, staging: Path, m
     if trainer.is_world_process_zero():
         # Trainer pickles its arguments next to the weights; a shared checkpoint should not carry a pickle.
         (staging / "training_args.bin").unlink(missing_ok=True)
+        restore_remote_code(model, staging)
+
+
+def built_class(model: PreTrainedModel) -> type:
+    """The class `model` was built as. FSDP2's `fully_shard` swaps in a subclass that torch defines
+    (`FSDP<Name>`, module `torch.distributed...`); the first non-torch PreTrainedModel class of the
+    method resolution order is the model's own."""
+    for cls in type(model).__mro__:
+        if issubclass(cls, PreTrainedModel) and not cls.__module__.startswith("torch."):
+            return cls
+    return type(model)
+
+
+def restore_remote_code(model: PreTrainedModel, folder: Path) -> None:
+    """Make a folder saved from an FSDP2-wrapped model load as remote code again.
+
+    `save_pretrained` on the wrapper class copies the wrapper's module and its relative imports (torch's
+    `_fsdp_*.py`) and points `auto_map` at the wrapper; here those files are removed, the model's own
+    modules copied (`custom_object_save`, as `save_pretrained` does for the model's class) and every
+    `auto_map` entry that named the wrapper names the model's class. A plain model is left alone."""
+    own = built_class(model)
+    wrapper = type(model)
+    if own is wrapper:
+        return
+    from transformers.dynamic_module_utils import custom_object_save
+
+    torch_folder = Path(inspect.getfile(inspect.getmodule(wrapper))).parent
+    copied = {path.stem for path in folder.glob("*.py") if (torch_folder / path.name).is_file()}
+    for stem in copied:
+        (folder / f"{stem}.py").unlink()
+    custom_object_save(own, folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    auto_map = config.get("auto_map") or {}
+    for auto_class, reference in auto_map.items():
+        if isinstance(reference, str) and reference.split(".")[0] in copied:
+            auto_map[auto_class] = f"{own.__module__.rsplit('.', 1)[-1]}.{own.__name__}"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def finish(
