@@ -41,7 +41,13 @@ class ConfigView:
         self.__dict__.update(overrides)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
+        # Only reached for names not set here. A copy or unpickle builds the object without __init__ and
+        # probes it (`__setstate__`, `__deepcopy__`) before `_config` is set: those probes must fail
+        # plainly, not recurse through this method.
+        config = self.__dict__.get("_config")
+        if config is None:
+            raise AttributeError(name)
+        return getattr(config, name)
 
 
 class ConceptPassCache:
