@@ -280,6 +280,23 @@ def test_bad_inputs_exit_2_with_one_line_naming_the_problem(workspace, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_fsdp_that_accelerate_would_not_apply_is_refused(workspace, tmp_path, capsys, monkeypatch):
+    """accelerate keeps DDP on CPU processes when FSDP is asked for; the run stops instead of training
+    unsharded, names the cause and leaves no output folder."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("ACCELERATE_FSDP_VERSION", "2")
+    config = tmp_path / "config.json"
+    config.write_text(_conceptmoe_config().to_json_string())
+    status, _, stderr, _ = _train(
+        capsys, config, "--data", workspace / "corpus.txt", "--tokenizer", workspace / "tokenizer",
+        "--output-dir", tmp_path / "out", "--max-steps", "1",
+    )  # fmt: skip
+    assert status == 2, stderr
+    assert "FSDP was asked for (ACCELERATE_USE_FSDP=true) but accelerate runs this as" in stderr
+    assert "unsharded" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "out").exists()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))

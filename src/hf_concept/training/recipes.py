@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import (
     PretrainedConfig,
     PreTrainedModel,
@@ -520,9 +521,11 @@ def train(
         report_to=report_to,
         disable_tqdm=disable_tqdm,
     )
+    out_existed = out.exists()
     trainer = build_trainer(
         model, tokenizer, args, train_set, eval_set, packing, callback_objects, use_mup, learning_rate
     )
+    check_sharding_took_effect(trainer, out, out_existed)
     _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=overwrite_output_dir)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     eval_metrics = trainer.evaluate() if eval_set is not None else {}
@@ -566,6 +569,23 @@ def build_trainer(
         mup_learning_rate=learning_rate,
     )
     return trainer
+
+
+def check_sharding_took_effect(trainer: ConceptTrainer, out: Path, out_existed: bool) -> None:
+    """Refuse a run that asked for FSDP (`accelerate launch --use_fsdp` or a config with it) but that
+    accelerate runs unsharded: on processes without a GPU-like device accelerate 1.15 keeps DDP and says
+    nothing (README, FSDP). Training on would silently hold every weight on every rank."""
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+    actual = trainer.accelerator.distributed_type
+    if asked and actual != DistributedType.FSDP:
+        if trainer.is_world_process_zero() and not out_existed:
+            # The folders Trainer made when it was built: nothing else has been written yet.
+            shutil.rmtree(out, ignore_errors=True)
+        raise TrainSetupError(
+            f"FSDP was asked for (ACCELERATE_USE_FSDP={os.environ['ACCELERATE_USE_FSDP']}) but accelerate "
+            f"runs this as {actual.value}, unsharded: it enables FSDP only on GPU-like devices (README, "
+            "FSDP); launch on GPUs, or without --use_fsdp"
+        )
 
 
 def _clear_checkpoint_folder(trainer: ConceptTrainer, folder: Path, everything: bool) -> None:
