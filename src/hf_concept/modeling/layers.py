@@ -407,15 +407,22 @@ class Attention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values=None,
+        narrow: Callable[..., tuple[torch.Tensor, ...]] | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """RoPE, cache update, the configured kernel and o_proj over `project`'s query, key and value."""
+        """RoPE, cache update, the configured kernel and o_proj over `project`'s query, key and value.
+
+        `narrow`, when given, maps (query, key, value, mask) after the cache update (every new key and
+        value is stored) to the rows the caller wants outputs for; Hidden Decoding's last layer keeps the
+        final stream's queries only."""
         query, key, value = projected
         cos, sin = position_embeddings
         query, key = apply_rotary(query, key, cos, sin)
         if past_key_values is not None:
             # (B, G, S, K) with S = cached + new positions
             key, value = past_key_values.update(key, value, self.layer_idx)
+        if narrow is not None:
+            query, key, value, attention_mask = narrow(query, key, value, attention_mask)
         output, weights = self.kernel()(
             self,
             query,
@@ -575,6 +582,12 @@ def residual_body(
     hidden_states = hidden_states + attended
     if cross is not None:
         hidden_states = hidden_states + cross(hidden_states)
+    return mlp_residual(layer, hidden_states)
+
+
+def mlp_residual(layer: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + mlp(norm x), the second half of `residual_body`, and the router logits of a sparse MLP (None
+    for a dense one)."""
     mixed = layer.mlp(layer.post_attention_layernorm(hidden_states))
     router_logits = None
     if isinstance(mixed, tuple):

@@ -55,6 +55,7 @@ from .layers import (
     SparseMoeBlock,
     apply_rotary,
     attention_recorder,
+    mlp_residual,
     recording_attentions,
     repeat_kv,
 )
@@ -560,36 +561,25 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             mask = masks.local if layer.stream_kind == "local" else masks.full
             if mask is None and length > 1 and layer.stream_kind == "local":
                 return None
-        query, key, value = attention.project(layer.input_layernorm(inputs))
-        query, key = apply_rotary(query, key, *rope)
-        if cache is not None:
-            key, value = cache.update(key, value, attention.layer_idx)
-        if layer.stream_kind == "intra":
-            # (B·S, ...) rows -> the final stream's (B, ...) rows; intra attention reads only its own stream.
-            query, key, value = (rows.unflatten(0, (batch, streams))[:, -1] for rows in (query, key, value))
-            if mask is not None and mask.shape[0] == batch * streams:
-                mask = mask.unflatten(0, (batch, streams))[:, -1]
-        else:
+
+        def narrow(query, key, value, mask):
+            if layer.stream_kind == "intra":
+                # (B·S, ...) rows -> the final stream's (B, ...) rows; intra attention reads its own stream.
+                query, key, value = (
+                    rows.unflatten(0, (batch, streams))[:, -1] for rows in (query, key, value)
+                )
+                if mask is not None and mask.shape[0] == batch * streams:
+                    mask = mask.unflatten(0, (batch, streams))[:, -1]
+                return query, key, value, mask
             # (B, H, L, K): the queries at expanded positions i·S + S - 1.
             query = query[:, :, streams - 1 :: streams]
-            mask = final_query_mask(mask, length, streams, key.shape[2], query.device)
-        attended, _ = attention.kernel()(
-            attention,
-            query,
-            key,
-            value,
-            mask,
-            dropout=attention.attention_dropout if self.training else 0.0,
-            scaling=attention.scaling,
-            sliding_window=attention.sliding_window,
-        )
+            return query, key, value, final_query_mask(mask, length, streams, key.shape[2], query.device)
+
+        projected = attention.project(layer.input_layernorm(inputs))
         # (B, L, D)
-        token_states = stream_states[:, -1] + attention.o_proj(attended.reshape(batch, length, -1))
-        mixed = layer.mlp(layer.post_attention_layernorm(token_states))
-        router_logits = None
-        if isinstance(mixed, tuple):
-            mixed, router_logits = mixed
-        return (token_states + mixed)[:, None], router_logits
+        attended, _ = attention.attend(projected, rope, mask, cache, narrow=narrow)
+        token_states, router_logits = mlp_residual(layer, stream_states[:, -1] + attended)
+        return token_states[:, None], router_logits
 
 
 def final_query_mask(
