@@ -463,10 +463,9 @@ def directions(scratch: dict, ct: dict) -> dict[str, bool]:
 
 
 def mean_curve(runs: list[dict], config: str, key: str) -> list[float]:
-    """`key` over training, smoothed (reproduce_dlcm.smooth) and averaged over the seeds."""
-    curves = [reproduce_dlcm.smooth([step[key] for step in r["history"]]) for r in runs
-              if r["part"] == "scratch" and r["config"] == config]  # fmt: skip
-    return [statistics.fmean(column) for column in zip(*curves, strict=True)]
+    """`key` over training, smoothed and averaged over the seeds (reproduce_dlcm.mean_smoothed)."""
+    chosen = [run for run in runs if run["part"] == "scratch" and run["config"] == config]
+    return reproduce_dlcm.mean_smoothed(chosen, key)
 
 
 def draw(runs: list[dict], path: str) -> bool:

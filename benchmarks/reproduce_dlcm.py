@@ -356,6 +356,12 @@ def smooth(values: list[float]) -> list[float]:
     return [statistics.fmean(values[max(0, index + 1 - width) : index + 1]) for index in range(len(values))]
 
 
+def mean_smoothed(runs: list[dict], key: str) -> list[float]:
+    """`key` over each run's training history, smoothed (`smooth`) and averaged over the runs (seeds)."""
+    curves = [smooth([step[key] for step in run["history"]]) for run in runs]
+    return [statistics.fmean(column) for column in zip(*curves, strict=True)]
+
+
 def load_data(args: argparse.Namespace) -> dict:
     tokenizer = bundled_tokenizer()
     # Whole documents are tokenized at once and cut into windows here: no length warning for them.

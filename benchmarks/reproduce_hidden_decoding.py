@@ -471,9 +471,8 @@ def directions(table: dict) -> dict[str, dict]:
 
 def mean_curve(runs: list[dict], name: str) -> list[float]:
     """The prediction's training loss over continued training, smoothed and averaged over the seeds."""
-    curves = [reproduce_dlcm.smooth([step["lm_loss"] for step in run["history"]]) for run in runs
-              if run["part"] == "variant" and run["name"] == name]  # fmt: skip
-    return [statistics.fmean(column) for column in zip(*curves, strict=True)]
+    chosen = [run for run in runs if run["part"] == "variant" and run["name"] == name]
+    return reproduce_dlcm.mean_smoothed(chosen, "lm_loss")
 
 
 def draw(runs: list[dict], path: str) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.ratio_step import RatioAccumulator, plan_ratio_step
-from tests.test_train_command import make_workspace
+from tests.test_convert_conceptmoe import TINY_LLAMA
+from tests.test_train_command import _free_port, make_workspace
 from tests.workers.fsdp_worker import probe_input_ids
 from tests.workers.train_worker import RECORD_DIR_ENV
 
@@ -42,24 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2.yaml"
 WORKER = REPO / "tests" / "workers" / "fsdp_worker.py"
 RECORDER = "tests.workers.fsdp_worker:RecordShardedRun"
-SOURCE = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 STEPS, MICRO_BATCHES = 2, 2
 LOGGED = ("loss", "lm_loss", "aux_loss", "compression_ratio", "boundary_prob_mean")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _skip_without_two_devices() -> None:
@@ -73,7 +57,7 @@ def _converted_checkpoint(root: Path) -> Path:
     """A tiny random Llama converted to ConceptMoE (1 encoder, 2 concept, 1 decoder layer), sharded on
     disk, with deterministic training boundaries."""
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SOURCE)).save_pretrained(root / "llama")
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(root / "llama")
     converted = convert_to_conceptmoe(
         root / "llama", root / "conceptmoe", encoder_layers=1, decoder_layers=1, max_shard_size="20KB"
     )
