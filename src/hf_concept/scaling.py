@@ -27,11 +27,16 @@ CSV inputs (a header row; other columns, e.g. a run name, are ignored):
 Fitting eq. 22 is a non-convex least-squares problem (on the loss, unweighted): the loss is linear in
 (E0, A_token, A_concept, A_data) once the other seven parameters are fixed. Random starts of those seven
 are screened with a closed-form solve for the linear four; the best few are refined by Levenberg–Marquardt
-on the seven with the four solved out at every step (variable projection), and the best result is
-polished on all eleven. Everything is float64 with analytic Jacobians; the seven stay in a wide box
-(exponents in [1e-3, 5], |γ| ≤ 5, offsets within nine decades of the data's N or D). N and D are
-divided by their geometric means inside the fit to keep the problem well conditioned; reported
-parameters are in the CSV's units.
+on the seven with the four solved out at every step (variable projection), each refined start is
+polished on all eleven, and the lowest final cost wins (the result depends on the data and the seed
+only). Everything is float64 with analytic Jacobians; the seven stay in a wide box (exponents in
+[1e-3, 5], |γ| ≤ 5, offsets within nine decades of the data's N or D). N and D are divided by their
+geometric means inside the fit to keep the problem well conditioned; reported parameters are in the
+CSV's units.
+
+Degenerate input is refused (ValueError): a loss (or Δ) that takes one value, a column whose exponent
+needs two values taking one, no more rows than parameters. A fit that ran but should not be trusted
+carries `warnings` (`fit_warnings`): R² below `MIN_GOOD_R2`, or parameters stopped at the box's edge.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ MAIN_PARAMETERS = (
 DECAY_PARAMETERS = ("k", "a", "b", "c")
 # Inputs a prediction needs, per law.
 PREDICT_INPUTS = {"main": ("N", "D", "R", "P"), "decay": ("N", "R", "loss_stable")}
+# Below this R² the fitted law does not describe the runs (either law; the decay law's is on log Δ).
+MIN_GOOD_R2 = 0.9
 
 Column = torch.Tensor | float
 
@@ -96,6 +103,8 @@ class ScalingLawFit:
     rows: int
     # Decay law only: R² of Δ itself (the regression's own R², `r2`, is on log Δ as in the paper).
     extra: dict[str, float] = field(default_factory=dict)
+    # Why the fit should not be trusted (`fit_warnings`); empty for a good fit.
+    warnings: list[str] = field(default_factory=list)
 
     def predict(self, **config: float) -> float:
         """Loss (main law) or Δ_decay (decay law) for one configuration given by keyword, e.g. N=1e9."""
@@ -121,7 +130,7 @@ def save_fit(fit: ScalingLawFit, path: str | Path, source: str | None = None) ->
     beside it, then renamed, so a reader never sees half a file."""
     path = Path(path)
     record = {"format": LAW_FILE_FORMAT, "law": fit.law, "params": fit.params, "r2": fit.r2, "rows": fit.rows}
-    record.update(extra=fit.extra, source=source)
+    record.update(extra=fit.extra, warnings=fit.warnings, source=source)
     staging = path.with_name(f".{path.name}.tmp")
     try:
         staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
@@ -159,6 +168,7 @@ def load_fit(path: str | Path, law: str = "main") -> ScalingLawFit:
         r2=float(record.get("r2", float("nan"))),
         rows=int(record.get("rows", 0)),
         extra=dict(record.get("extra") or {}),
+        warnings=[str(text) for text in record.get("warnings") or []],
     )
 
 
@@ -232,6 +242,15 @@ def _require_rows(rows: int, parameters: int, law: str) -> None:
         )
 
 
+def _require_varying_target(target: torch.Tensor, name: str, law: str) -> None:
+    # A constant target (up to rounding) has no variance to explain: R² is undefined or noise.
+    if float(target.max() - target.min()) <= 1e-9 * float(target.abs().max()):
+        raise ValueError(
+            f"{law} law: {name} takes one value only ({float(target[0]):.6g} on every row), so there is "
+            "nothing to fit; give runs whose loss changes with N, D or R"
+        )
+
+
 def _require_spread(columns: Mapping[str, torch.Tensor], names: Sequence[str], law: str) -> None:
     for name in names:
         if torch.unique(columns[name]).numel() < 2:
@@ -257,6 +276,7 @@ def fit_decay_law(runs: Mapping[str, Sequence]) -> ScalingLawFit:
     if (delta <= 0).any():
         row = int(torch.nonzero(delta <= 0)[0])
         raise ValueError(f"decay law: row {row}: loss_decayed must be below loss_stable for a log fit")
+    _require_varying_target(delta, "delta_decay = (loss_stable - loss_decayed) / loss_stable", "decay")
     features = torch.stack([columns[name].log() for name in ("loss_stable", "R", "N")], dim=1)  # (rows, 3)
     target = delta.log()  # (rows,)
     # Centred regression: the intercept is recovered afterwards, which keeps the system well conditioned.
@@ -270,12 +290,14 @@ def fit_decay_law(runs: Mapping[str, Sequence]) -> ScalingLawFit:
         "c": float(slopes[2]),
     }
     fitted_delta = decay_law_delta(params, columns["loss_stable"], columns["R"], columns["N"])
+    r2 = r_squared(target, fitted_delta.log())
     return ScalingLawFit(
         law="decay",
         params=params,
-        r2=r_squared(target, fitted_delta.log()),
+        r2=r2,
         rows=rows,
         extra={"r2_delta": r_squared(delta, fitted_delta)},
+        warnings=fit_warnings(r2),
     )
 
 
@@ -325,6 +347,7 @@ def fit_main_law(
     rows = columns["N"].numel()
     _require_rows(rows, len(MAIN_PARAMETERS), "main")
     _require_spread(columns, ("N", "D", "R"), "main")
+    _require_varying_target(columns["loss"], "column 'loss'", "main")
     if restarts < 1 or refine < 1:
         raise ValueError(f"main law: restarts and refine must be >= 1, got {restarts} and {refine}")
     n_scale = float(columns["N"].log().mean().exp())
@@ -340,7 +363,38 @@ def fit_main_law(
         torch.set_num_threads(threads)
     params = _to_csv_units(theta, n_scale, d_scale)
     fitted = main_law_loss(params, columns["N"], columns["D"], columns["R"], columns["P"])
-    return ScalingLawFit(law="main", params=params, r2=r_squared(columns["loss"], fitted), rows=rows)
+    r2 = r_squared(columns["loss"], fitted)
+    return ScalingLawFit(
+        law="main", params=params, r2=r2, rows=rows, warnings=fit_warnings(r2, _at_search_edge(theta))
+    )
+
+
+def fit_warnings(r2: float, pinned: Sequence[str] = ()) -> list[str]:
+    """Why a fit should not be trusted: R² below `MIN_GOOD_R2`, parameters pinned at the search box."""
+    found = []
+    if not r2 >= MIN_GOOD_R2:
+        found.append(f"R^2 = {r2:.4g} is below {MIN_GOOD_R2}: the law does not describe these runs")
+    if pinned:
+        found.append(
+            f"{', '.join(pinned)} ended at the edge of the search box, where the fit stopped rather than "
+            "converged"
+        )
+    return found
+
+
+def _at_search_edge(theta: torch.Tensor) -> list[str]:
+    """Nonlinear parameters of θ at an edge of `_SEARCH_BOX`. An offset at its lower edge is fine: the
+    term is a pure power law. Anything else there (an exponent of 5 or 1e-3, |γ| = 5, an offset of nine
+    decades) means the search ran into the box."""
+    low, high = _SEARCH_BOX
+    pinned = []
+    for position, index in enumerate(_NONLINEAR_INDEX):
+        name, value = MAIN_PARAMETERS[index], float(theta[index])
+        at_low = value <= float(low[position]) + 1e-6
+        at_high = value >= float(high[position]) - 1e-6
+        if at_high or (at_low and not name.startswith("t_")):
+            pinned.append(name)
+    return pinned
 
 
 def _fit_main_theta(
@@ -353,15 +407,31 @@ def _fit_main_theta(
         _levenberg_marquardt(lambda nl: _projected_residuals(nl, scaled), nl, bounds=_SEARCH_BOX)
         for nl in starts
     ]
-    nonlinear = min(projected, key=lambda pair: pair[1])[0]
-    # Stage 2: all eleven in log space from there, which keeps E0 and the A's positive.
-    linear = _solve_linear(_basis(nonlinear, scaled)[0], scaled["loss"]).clamp_min(1e-8)
-    theta = torch.empty(len(MAIN_PARAMETERS), dtype=torch.float64)
-    theta[list(_LINEAR_INDEX)], theta[list(_NONLINEAR_INDEX)] = linear.log(), nonlinear
-    low = torch.full_like(theta, -math.inf)
-    high = torch.full_like(theta, math.inf)
+    # Stage 2: all eleven in log space, which keeps E0 and the A's positive. Every refined start is
+    # polished and the lowest final cost wins: the lowest stage-1 cost can need a negative E0 or A,
+    # which the clamp below turns into a poor start (an R² of 0.2 with exponents pinned at the box).
+    low = torch.full((len(MAIN_PARAMETERS),), -math.inf, dtype=torch.float64)
+    high = torch.full_like(low, math.inf)
     low[list(_NONLINEAR_INDEX)], high[list(_NONLINEAR_INDEX)] = _SEARCH_BOX
-    return _levenberg_marquardt(lambda full: _full_residuals(full, scaled), theta, bounds=(low, high))[0]
+    polished = []
+    for nonlinear, _ in projected:
+        linear = _solve_linear(_basis(nonlinear, scaled)[0], scaled["loss"]).clamp_min(1e-8)
+        theta = torch.empty_like(low)
+        theta[list(_LINEAR_INDEX)], theta[list(_NONLINEAR_INDEX)] = linear.log(), nonlinear
+        polished.append(
+            _levenberg_marquardt(lambda full: _full_residuals(full, scaled), theta, bounds=(low, high))
+        )
+    # Costs that differ by rounding alone (BLAS results vary in the last bits from call to call) are
+    # ties, won by the best-screened start: otherwise noise picks among equally good but different
+    # parameters (a flat valley of the law) and one file and seed give a different fit each time.
+    best = min(cost for _, cost in polished)
+    tie = best + _TIE_TOLERANCE * float((scaled["loss"] - scaled["loss"].mean()).square().sum())
+    return next(theta for theta, cost in polished if cost <= tie)
+
+
+# Final costs closer than this fraction of the loss's total sum of squares are the same fit (R² equal to
+# nine digits).
+_TIE_TOLERANCE = 1e-9
 
 
 # θ (length 11, order MAIN_PARAMETERS) holds the log of every positive parameter and γ as it is.
@@ -422,7 +492,9 @@ def _basis(nonlinear: torch.Tensor, scaled: Mapping[str, torch.Tensor]) -> tuple
 def _solve_linear(basis: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """Least-squares coefficients (E0, A_token, A_concept, A_data) for fixed basis columns: (..., 4)."""
     target = loss.expand(basis.shape[:-1]).unsqueeze(-1)  # (..., rows, 1)
-    return torch.linalg.lstsq(basis, target, driver="gelsd" if basis.ndim > 2 else None).solution[..., 0]
+    # gelsd (SVD) copes with a column that collapsed, and gives the same bits on every call: the default
+    # gelsy does not (its last bits vary from call to call), which made one seed give different fits.
+    return torch.linalg.lstsq(basis, target, driver="gelsd").solution[..., 0]
 
 
 def _projected_residuals(

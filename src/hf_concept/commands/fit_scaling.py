@@ -2,8 +2,12 @@
 
 `--law main` fits eq. 22, L(N, D, R, P), to columns N, D, R, P, loss; `--law decay` fits eq. 23 to either
 N, R, loss_stable, loss_decayed (one row per run) or run, N, R, D, loss (trajectories). Prints the fitted
-parameters, R², and the prediction for each `--predict`. A user error prints one line to stderr and exits
-with status 2, without a traceback.
+parameters, R², and the prediction for each `--predict`. A user error — including degenerate input (a
+constant loss column, too few rows for the parameters) — prints one line to stderr and exits with status 2,
+without a traceback. The main law's random starts follow `--seed`: one file and seed give one fit. A fit
+that ran but should not be trusted (R² below `scaling.MIN_GOOD_R2`, or parameters stopped at the search
+box's edge) prints its result and one warning line on stderr (also in `--json` and `--save`, under
+"warnings"), with status 0.
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Decay window as fractions of D (0.90,0.99).",
     )
     parser.add_argument("--restarts", type=int, default=256, help="Random starts screened (main law).")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the random starts (main law).")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Seed of the random starts (main law); one seed, one fit."
+    )
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of text.")
     parser.add_argument(
         "--save",
@@ -83,8 +89,20 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"hf-concept fit-scaling: error: {error}", file=sys.stderr)
         return 2
+    if fit.warnings:
+        hint = (
+            f"more --restarts (now {args.restarts}), another --seed, or runs spanning more N, D and R"
+            if fit.law == "main"
+            else "runs spanning more N, R and loss_stable"
+        )
+        print(
+            f"hf-concept fit-scaling: warning: {args.runs}: do not trust this fit: "
+            f"{'; '.join(fit.warnings)}; try {hint}",
+            file=sys.stderr,
+        )
     if args.json:
         report = {"law": fit.law, "rows": fit.rows, "params": fit.params, "r2": fit.r2, **fit.extra}
+        report["warnings"] = fit.warnings
         report["predictions"] = [{"config": config, "value": value} for config, value in predictions]
         print(json.dumps(report, indent=2))
         return 0
