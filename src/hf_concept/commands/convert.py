@@ -51,6 +51,9 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-pickle", action="store_true", help="Read .bin (pickle) weights; only for trusted sources."
     )
+    parser.add_argument(
+        "--gguf-file", default=None, metavar="NAME", help="The .gguf file to read in a SRC folder of several."
+    )
 
 
 def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
@@ -60,7 +63,7 @@ def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
         description="Split the source's layers into encoder / concept / decoder stages, add the chunk "
         "module and zero-initialised joint-decoding projectors, and write a remote-code checkpoint.",
     )
-    parser.add_argument("src", type=Path, help="Source checkpoint folder (safetensors).")
+    parser.add_argument("src", type=Path, help="Source checkpoint folder (safetensors), or a .gguf file.")
     parser.add_argument("dst", type=Path, help="Destination folder (must not exist or be empty).")
     parser.add_argument(
         "--encoder-layers", type=int, default=2, help="Token-level layers before (default 2)."
@@ -100,7 +103,7 @@ def _add_hidden_decoding(targets: argparse._SubParsersAction) -> None:
         description="Replicate the embedding table into one table per stream, choose each layer's stream "
         "attention (intra / local / full) and write a remote-code checkpoint.",
     )
-    parser.add_argument("src", type=Path, help="Source checkpoint folder (safetensors).")
+    parser.add_argument("src", type=Path, help="Source checkpoint folder (safetensors), or a .gguf file.")
     parser.add_argument("dst", type=Path, help="Destination folder (must not exist or be empty).")
     parser.add_argument("--streams", type=int, required=True, help="Number of hidden streams n.")
     parser.add_argument(
@@ -147,8 +150,14 @@ def _add_hidden_decoding(targets: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hf_concept.conversion.gguf_source import source_folder
+
     try:
-        destination = args.convert(args)
+        # A GGUF source is de-quantised into a temporary safetensors folder for the converter to read.
+        with source_folder(args.src, args.gguf_file, destination=args.dst) as source:
+            if source.gguf is not None:
+                args.src, args.base_model = source.folder, args.base_model or str(source.gguf)
+            destination = args.convert(args)
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
         print(f"hf-concept convert {args.target}: error: {error}", file=sys.stderr)
         return 2
