@@ -17,9 +17,16 @@ upload_ignore_patterns())` selects the same files. The walk here adds what the l
 the listing of what was left out, each top-most entry once, with its reason.
 
 Before anything leaves the machine, `check_checkpoint` insists on a loadable checkpoint: `config.json`;
-weights (`model.safetensors`, or an index with every shard it names, or `pytorch_model.bin`); and for
-remote-code model types every module named in the `auto_map` of `config.json` and `tokenizer_config.json`
-plus every sibling those import with `from .x import` (the files `from_pretrained` will ask for).
+weights (`model.safetensors`, or an index with every shard it names, or `pytorch_model.bin`), each file
+whole (a safetensors file as long as its header says, a `.bin` a complete archive) and every floating
+tensor finite (NaN or inf weights load and then give NaN outputs); and for remote-code model types every
+module named in the `auto_map` of `config.json` and `tokenizer_config.json` plus every sibling those
+import with `from .x import` (the files `from_pretrained` will ask for).
+
+Symbolic links: a link to a file is followed (its target's content is uploaded under the link's name,
+as `upload_folder` does), and the plan carries a note naming each link and its target, so that a link
+out of the folder is never uploaded unseen. A link to a folder is not followed, and a broken link is
+not uploaded; both are listed with what is left out.
 
 The model card: a folder without `README.md` gets one rendered by `model_card.render_model_card`. A card
 that `hf_concept` wrote and nobody edited since is rewritten so that its load snippet names the repo
@@ -40,10 +47,13 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Callable
+import pickle
+import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.utils import filter_repo_objects
@@ -138,7 +148,8 @@ def scan_folder(
     """(files to upload as relative paths, sorted; "path (reason)" for each top-most entry left out).
 
     A folder is matched as "path/", so a folder pattern leaves it out whole and it is listed once; the
-    files uploaded are those `filter_repo_objects` keeps under `upload_ignore_patterns`."""
+    files uploaded are those `filter_repo_objects` keeps under `upload_ignore_patterns`. Links to folders
+    (not followed) and broken links are listed as left out."""
     folder = Path(folder)
     rules = skip_rules(include_checkpoints=include_checkpoints, include_training_state=include_training_state)
     files: list[Path] = []
@@ -148,15 +159,20 @@ def scan_folder(
         for name in sorted(dirs):
             path = f"{(base / name).as_posix()}/"
             reason = _skip_reason(path, rules)
+            if reason is None and (Path(root) / name).is_symlink():
+                # os.walk does not descend into it either: say so rather than drop it silently.
+                reason = f"symbolic link to the folder {os.path.realpath(Path(root) / name)}, not followed"
             if reason:
                 dirs.remove(name)
                 skipped.append(f"{path} ({reason})")
         for name in names:
             path = (base / name).as_posix()
             reason = _skip_reason(path, rules)
+            if reason is None and not (Path(root) / name).is_file():
+                reason = f"broken symbolic link to {os.readlink(Path(root) / name)}"
             if reason:
                 skipped.append(f"{path} ({reason})")
-            elif (Path(root) / name).is_file():
+            else:
                 files.append(base / name)
     return sorted(files, key=lambda path: path.as_posix()), sorted(skipped)
 
@@ -202,6 +218,15 @@ def check_checkpoint(folder: str | Path) -> list[str]:
 
 
 def _check_weights(folder: Path) -> None:
+    """Raise naming the file when the weights are missing, cut short, not weights, or not finite."""
+    for path in _weight_paths(folder):
+        problem = _weight_file_problem(str(path.resolve()), *_file_stamp(path))
+        if problem:
+            raise ValueError(f"checkpoint {str(folder)!r}: {problem}")
+
+
+def _weight_paths(folder: Path) -> list[Path]:
+    """The weight files `from_pretrained` reads: an index's shards (each present), else the single file."""
     for index_name in WEIGHT_INDEXES:
         if (folder / index_name).is_file():
             weight_map = _read_json(folder / index_name).get("weight_map") or {}
@@ -209,12 +234,69 @@ def _check_weights(folder: Path) -> None:
                 if not (folder / shard).is_file():
                     raise ValueError(f"{index_name} names {shard}, which is missing from {str(folder)!r}")
             if weight_map:
-                return
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise ValueError(
-            f"no weights in {str(folder)!r}: expected model.safetensors, or model.safetensors.index.json "
-            "with its shards, or pytorch_model.bin"
-        )
+                return [folder / shard for shard in sorted(set(weight_map.values()))]
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return [folder / name]
+    raise ValueError(
+        f"no weights in {str(folder)!r}: expected model.safetensors, or model.safetensors.index.json "
+        "with its shards, or pytorch_model.bin"
+    )
+
+
+def _file_stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@lru_cache(maxsize=64)
+def _weight_file_problem(path: str, size: int, mtime_ns: int) -> str | None:
+    """Why the weight file at `path` would not load or holds NaN/inf (None: it is fine). Cached on the
+    file's size and time, as a push plans twice and every tensor is read."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    from hf_concept.training.checkpoints import safetensors_problem
+
+    weights = Path(path)
+    unloadable = "the checkpoint would not load; save the model again with save_pretrained"
+    try:
+        if weights.suffix == ".safetensors":
+            problem = safetensors_problem(weights)
+            if problem:
+                return f"{problem}: {unloadable}"
+            with safe_open(path, framework="pt") as handle:
+                tensors = ((key, handle.get_tensor(key)) for key in handle.keys())  # noqa: SIM118
+                found = _first_non_finite(weights.name, tensors)
+        else:
+            # mmap needs torch.save's zip format; a legacy pickle file (or a cut-short zip) loads without.
+            mmap = zipfile.is_zipfile(path)
+            state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            if not isinstance(state_dict, dict):
+                return f"{weights.name} holds a {type(state_dict).__name__}, not a state dict: {unloadable}"
+            found = _first_non_finite(weights.name, state_dict.items())
+    except (SafetensorError, RuntimeError, OSError, EOFError, pickle.UnpicklingError, ValueError) as error:
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        return f"{weights.name} could not be read ({type(error).__name__}: {first_line}): {unloadable}"
+    if found:
+        return f"{found}: the model would give NaN outputs; push an earlier checkpoint with finite weights"
+    return None
+
+
+def _first_non_finite(file_name: str, tensors: Iterable[tuple[str, Any]]) -> str | None:
+    """ "FILE: tensor NAME holds NaN or inf values" for the first floating tensor that does, else None."""
+    import torch
+
+    for name, tensor in tensors:
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel()):
+            continue
+        # aminmax reads the tensor once (no full-size temporary) and returns NaN or inf if any is there;
+        # it has no kernel for the float8 types.
+        values = tensor if tensor.itemsize >= 2 else tensor.float()
+        low, high = torch.aminmax(values)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            return f"{file_name}: tensor {name!r} holds NaN or inf values"
+    return None
 
 
 def _auto_map_modules(folder: Path, config: dict) -> list[tuple[str, str]]:
@@ -288,7 +370,21 @@ def plan_upload(
         plan.notes.append(card_note)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         plan.notes.append("no tokenizer files in the folder: users will need the base model's tokenizer")
+    plan.notes += symlink_notes(folder, paths)
     return plan
+
+
+def symlink_notes(folder: Path, paths: list[Path]) -> list[str]:
+    """One note per planned file that is a symbolic link, naming the link and the file it resolves to."""
+    notes = []
+    for path in paths:
+        if (folder / path).is_symlink():
+            target = os.path.realpath(folder / path)
+            notes.append(
+                f"{path.as_posix()} is a symbolic link to {target}: that file's content is uploaded as "
+                f"{path.as_posix()}"
+            )
+    return notes
 
 
 def _card_action(folder: Path, repo_id: str) -> tuple[str, str | None, str | None]:

@@ -1,10 +1,12 @@
 """`hf-concept push CHECKPOINT REPO_ID`: upload a checkpoint folder to the Hugging Face Hub.
 
 The work is `hf_concept.hub.push_checkpoint`; this module maps flags onto it and prints. A checkpoint that
-would not load (no config.json, no weights, a missing remote-code module), a missing folder or a bad repo
-id prints one line to stderr and exits 2 before anything is sent. A failed upload (no network, an HTTP
-error, no token, offline mode: `hub.is_hub_error`) prints one line naming the repo and the cause and
-exits 1; the folder is then left as it was.
+would not load (no config.json, no weights, weights cut short or not weights, a missing remote-code
+module) or whose weights hold NaN or inf, a missing folder or a bad repo id prints one line to stderr and
+exits 2 before anything is sent (`--dry-run` included). Notes (each symbolic link and its target, a card
+kept as edited, no tokenizer) are printed before the upload, and in the dry-run listing. A failed
+upload (no network, an HTTP error, no token, offline mode: `hub.is_hub_error`) prints one line naming the
+repo and the cause and exits 1; the folder is then left as it was.
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ what is uploaded:
   rng_state*.pth, scaler.pt, training_args.bin, trainer_state.json; unless --include-training-state).
   push lists every entry it leaves out.
   The folder must hold config.json, the weights (model.safetensors, or an index and all its shards, or
-  pytorch_model.bin) and, for remote code, every .py that auto_map names plus the modules they import
-  with `from .x import`.
+  pytorch_model.bin), each file whole and every tensor finite (no NaN or inf), and, for remote code,
+  every .py that auto_map names plus the modules they import with `from .x import`.
+
+symbolic links:
+  a link to a file is followed: its target's content is uploaded under the link's name, and push prints
+  "note: LINK is a symbolic link to TARGET" for each one before anything is sent (and in --dry-run).
+  A link to a folder is not followed and a broken link is not uploaded; both are listed as not uploaded.
 
 model card:
   without a README.md, push writes one (hf_concept's card for the model family); a card that hf-concept
@@ -34,7 +41,8 @@ model card:
   uploaded unchanged.
 
 failures:
-  a folder that would not load or a bad REPO_ID: one line, exit status 2, nothing sent. No network, an
+  a folder that would not load (weights cut short included), weights with NaN or inf, or a bad REPO_ID:
+  one line naming the file, exit status 2, nothing sent (--dry-run fails the same way). No network, an
   HTTP error or no token: one line naming REPO_ID and the cause, exit status 1, CHECKPOINT unchanged.
 
 token:
@@ -88,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError) as error:
         print(f"hf-concept push: error: {error}", file=sys.stderr)
         return 2
+    # Before the upload: a symbolic link's target is about to leave the machine.
+    for note in plan.notes:
+        print(f"note: {note}")
     try:
         url = hub.push_checkpoint(
             args.checkpoint,
