@@ -225,7 +225,7 @@ def test_joint_projectors_and_router_initialisation():
         ("dechunk_residual", "input"),
         ("joint_decoding_layers", 3),
         ("concept_loop", [1, 1, 2]),
-        ("concept_hidden_size", 16),
+        ("concept_hidden_size", 0),
         ("aux_loss_weight", -1.0),
         ("ratio_scope", "step"),
     ],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from typing import Any
 
 import pytest
@@ -28,6 +29,8 @@ EXEMPT = {
     "chunk_size_feed_forward",
 }
 BACKBONE_ACCEPTED = {
+    # eps only has to keep RMSNorm's division finite (issue 26: eps >= 1 is legal).
+    ("rms_norm_eps", 1e30),
     ("initializer_range", 0),
     ("attention_dropout", 0),
     ("rope_theta", 1e30),
@@ -210,3 +213,63 @@ def test_convert_ratio_above_the_sources_positions_is_one_error_line(capsys, tmp
     assert error.count("\n") == 1 and "Traceback" not in error, error
     assert "compression_ratio=1000000000.0 must be" in error and "max_position_embeddings=64" in error
     assert not (tmp_path / "dst").exists()
+
+
+# Legal values the checks refused before issue 26 (point 15): unusual, but nothing in the math or the cache
+# breaks. Each builds, runs a finite forward and generates.
+RELAXED = [
+    ("plain", dict(rms_norm_eps=1.0)),
+    ("conceptmoe-first", dict(rms_norm_eps=2.5)),
+    ("dlcm", dict(rms_norm_eps=1.0)),
+    ("hidden-decoding", dict(rms_norm_eps=10.0)),
+    ("lslm", dict(rms_norm_eps=1.0)),
+    ("lslm", dict(eos_token_id=None)),
+    ("plain", dict(initializer_range=2.0)),
+    # Narrower than hidden_size=32 and not a multiple of its 4 heads: projections in and out, head_dim kept.
+    ("conceptmoe-first", dict(concept_hidden_size=20)),
+    ("dlcm", dict(chunking="fixed", compression_ratio=1.0)),
+    ("lslm", dict(boundary_rule="threshold", boundary_threshold=1.0)),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"), RELAXED, ids=[f"{family}-{overrides}" for family, overrides in RELAXED]
+)
+def test_legal_values_build_run_and_generate(family, overrides):
+    spec = SPECS[family]
+    config = spec.make_config(**overrides)
+    assert {name: getattr(config, name) for name in overrides} == overrides
+    assert_runs_finite(spec, config)
+    model = spec.model_class()(config).eval()
+    prompt = torch.randint(5, config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
+    out = model.generate(
+        prompt,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    assert len(out.scores) == 4 and out.sequences.shape[0] == 2
+    # min_new_tokens sets the eos score to -inf; nothing may be nan.
+    assert not any(torch.isnan(scores).any() for scores in out.scores)
+
+
+def test_lslm_without_eos_stops_at_max_new_tokens():
+    spec = SPECS["lslm"]
+    model = spec.model_class()(spec.make_config(eos_token_id=None)).eval()
+    assert model.generation_config.eos_token_id is None
+    prompt = torch.randint(5, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    out = model.generate(
+        prompt, max_new_tokens=7, do_sample=False, return_dict_in_generate=True, output_scores=True
+    )
+    assert len(out.scores) == 7
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("eos_token_id", -1), ("eos_token_id", []), ("pad_token_id", None), ("bos_token_id", None)],
+)
+def test_lslm_special_ids_other_than_a_missing_eos_are_still_refused(field, value):
+    with pytest.raises(ValueError, match="^" + re.escape(f"{field}={value!r} must be")):
+        SPECS["lslm"].make_config(**{field: value})

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 
 from .configuration_plain import (
     MAX_COUNT,
-    MAX_SIZE,
     PlainDecoderConfig,
     _check_int,
     _check_number,
@@ -220,17 +219,10 @@ class ConceptMoEConfig(PlainDecoderConfig):
             raise ValueError(
                 f"concept_num_key_value_heads={kv_heads!r} must divide concept_num_attention_heads={heads!r}"
             )
-        width = self.concept_hidden_size
-        if width is not None and not (_is_int(width) and self.hidden_size <= width <= MAX_SIZE):
-            raise ValueError(
-                f"concept_hidden_size={width!r} must be None or an integer in "
-                f"[hidden_size={self.hidden_size}, {MAX_SIZE}]"
-            )
-        if width is not None and width % self.num_attention_heads != 0:
-            raise ValueError(
-                f"concept_hidden_size={width!r} must be divisible by "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
+        # A width other than hidden_size gets projections in and out of the concept stack, narrower as well
+        # as wider (§3.5 Strategy 3 widens it); the concept heads keep the token stages' head_dim, so the
+        # width need not be a multiple of the heads.
+        _check_int("concept_hidden_size", self.concept_hidden_size, optional=True)
 
 
 ConceptMoEConfig.register_for_auto_class()

@@ -197,14 +197,17 @@ class DLCMConfig(PlainDecoderConfig):
 
     def _check_numbers(self) -> None:
         ratio, limit = self.compression_ratio, self.max_position_embeddings
-        # R tokens per concept: beyond max_position_embeddings not even the longest sequence holds one.
-        if not (_is_number(ratio) and 1 < ratio <= limit):
-            raise ValueError(
-                f"compression_ratio={ratio!r} must be a finite number in (1, max_position_embeddings={limit}]"
-                " (tokens per concept)"
-            )
-        if self.chunking == "fixed" and not float(ratio).is_integer():
-            raise ValueError(f"compression_ratio={ratio!r} must be an integer for chunking='fixed'")
+        # R tokens per concept: beyond max_position_embeddings not even the longest sequence holds one. The
+        # ratio loss divides by R - 1, so learned boundaries need R > 1; fixed chunks have no ratio loss,
+        # and R = 1 (one concept per token) is well defined there.
+        if self.chunking == "fixed":
+            valid = _is_number(ratio) and 1 <= ratio <= limit and float(ratio).is_integer()
+            rule = f"an integer in [1, max_position_embeddings={limit}] for chunking='fixed'"
+        else:
+            valid = _is_number(ratio) and 1 < ratio <= limit
+            rule = f"a finite number in (1, max_position_embeddings={limit}]"
+        if not valid:
+            raise ValueError(f"compression_ratio={ratio!r} must be {rule} (tokens per concept)")
         for name in ("rule_threshold", "boundary_threshold"):
             _check_number(name, getattr(self, name), 0, 1, brackets="(]")
         # τ sharpens p to p^(1/τ) and σ scales Gaussian noise: any finite positive value is meaningful.

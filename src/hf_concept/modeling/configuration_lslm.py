@@ -157,7 +157,9 @@ class LSLMConfig(PlainDecoderConfig):
         _check_number("kl_weight", self.kl_weight)
         if self.prior_loss not in PRIOR_LOSSES:
             raise ValueError(f"prior_loss={self.prior_loss!r} must be one of {', '.join(PRIOR_LOSSES)}")
-        _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="()")
+        # The "threshold" rule closes where q_t >= threshold: 0 would close every byte whatever the router
+        # says; 1 closes only where the router is sure (q_t == 1), as in ConceptMoE and DLCM.
+        _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="(]")
         if self.boundary_rule not in BOUNDARY_RULES:
             rules = ", ".join(BOUNDARY_RULES)
             raise ValueError(f"boundary_rule={self.boundary_rule!r} must be one of {rules}")
@@ -195,15 +197,19 @@ class LSLMConfig(PlainDecoderConfig):
             _check_int(name, getattr(self, name))
 
     def _check_special_ids(self) -> None:
-        """Each special id is in the vocabulary (the backbone checks pad, bos and eos there, allowing
-        None, which LSLM cannot) and no two are equal."""
+        """Each special id is in the vocabulary and no two are equal. The model fills padding with
+        pad_token_id and finds the sequence start and the segment markers by id, so those cannot be None;
+        eos_token_id may be (no byte then ends a document, and generate stops at max_new_tokens)."""
         vocab_size = self.vocab_size
         owners: dict[int, str] = {}
         for name in SPECIAL_ID_FIELDS:
             value = getattr(self, name)
+            if value is None and name == "eos_token_id":
+                continue
             ids = list(value) if isinstance(value, list | tuple) else [value]
             if not (ids and all(_is_int(token_id) and 0 <= token_id < vocab_size for token_id in ids)):
-                raise ValueError(f"{name}={value!r} must be an id in [0, vocab_size={vocab_size})")
+                optional = "None or " if name == "eos_token_id" else ""
+                raise ValueError(f"{name}={value!r} must be {optional}an id in [0, vocab_size={vocab_size})")
             for token_id in ids:
                 if token_id in owners:
                     raise ValueError(

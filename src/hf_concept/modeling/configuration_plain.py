@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from .config_typos import loading_saved_config, warn_misspelt_keys
+
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Required and optional keys of `rope_scaling` per `rope_type` (transformers' names).
 ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -32,6 +34,8 @@ ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 MAX_SIZE = 2**31 - 1
 # Most layers, experts, streams or loop repeats: each is a module or a list entry built one by one.
 MAX_COUNT = 2**16
+# Largest standard deviation of initial weights (see PlainDecoderConfig._check_sizes).
+MAX_INITIALIZER_RANGE = 1e4
 
 
 def _is_int(value: Any) -> bool:
@@ -145,6 +149,8 @@ class PlainDecoderConfig(PretrainedConfig):
     eos_token_id: int | list[int] | None = 2
 
     def __post_init__(self, **kwargs: Any) -> None:
+        # Every family's __post_init__ ends here with the keyword arguments that are not fields.
+        warn_misspelt_keys(type(self), kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         heads, width = self.num_attention_heads, self.hidden_size
@@ -167,6 +173,15 @@ class PlainDecoderConfig(PretrainedConfig):
         self.check_fields()
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        # A saved config's keys are not checked for misspellings, the caller's overrides are (unless
+        # from_pretrained of a model passes its own keyword arguments through, return_unused_kwargs).
+        if not kwargs.get("return_unused_kwargs"):
+            warn_misspelt_keys(cls, kwargs)
+        with loading_saved_config():
+            return super().from_dict(config_dict, **kwargs)
+
     def check_fields(self) -> None:
         """Raise ValueError naming the first invalid field and its value."""
         self._check_sizes()
@@ -183,11 +198,13 @@ class PlainDecoderConfig(PretrainedConfig):
         _check_int("num_hidden_layers", self.num_hidden_layers, high=MAX_COUNT)
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not a known activation")
-        # eps only keeps RMSNorm's division finite; at 1 or more it would swamp unit-scale activations.
-        _check_number("rms_norm_eps", self.rms_norm_eps, 0, 1, brackets="()")
-        # The standard deviation of initial weights (0.02 typically); above 1 the residual stream would
-        # grow by orders of magnitude per layer.
-        _check_number("initializer_range", self.initializer_range, 0, 1)
+        # eps keeps RMSNorm's division finite on an all-zero vector, so it must be > 0; a large eps only
+        # damps small activations (unusual, not broken), so there is no upper bound.
+        _check_number("rms_norm_eps", self.rms_norm_eps, 0, brackets="(]")
+        # The standard deviation of initial weights (0.02 typically). A large one is unusual, not broken,
+        # until products of initial weights overflow float32 (the tiny test models' forward turns inf
+        # between 1e8 and 1e15); MAX_INITIALIZER_RANGE keeps a wide margin for wider models.
+        _check_number("initializer_range", self.initializer_range, 0, MAX_INITIALIZER_RANGE)
 
     def _check_token_ids(self) -> None:
         vocab_size = self.vocab_size
