@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hf_concept.data.corpus_sources import TRANSLATION_JA, Source, require_tool
+from hf_concept.data.corpus_sources import TRANSLATION_PREFIX, Source, require_tool
 
 
 @dataclass(frozen=True)
@@ -349,15 +349,17 @@ def extract_bible(source: Source, root: Path, progress: bool) -> Iterator[tuple[
 
 
 def extract_descriptions(source: Source, root: Path, progress: bool) -> Iterator[tuple[str, str, str]]:
-    """One document per package: its Japanese short and long descriptions (all versions, in order)."""
-    path = root / TRANSLATION_JA / "Translation-ja"
+    """One document per package: its translated short and long descriptions (all versions, in order)."""
+    folder = source.packages[0]
+    listing = f"Translation-{folder.removeprefix(TRANSLATION_PREFIX)}"
+    path = root / folder / listing
     descriptions: dict[str, list[str]] = {}
     for paragraph in path.read_text(encoding="utf-8", errors="replace").split("\n\n"):
         package, lines = _description_paragraph(paragraph)
         if package and lines:
             descriptions.setdefault(package, []).extend([*lines, ""])
     for package in _progress(list(descriptions), source, progress):
-        yield f"Translation-ja:{package}", TRANSLATION_JA, _lines_to_text(descriptions[package])
+        yield f"{listing}:{package}", folder, _lines_to_text(descriptions[package])
 
 
 def _description_paragraph(paragraph: str) -> tuple[str | None, list[str]]:

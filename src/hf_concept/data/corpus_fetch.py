@@ -2,9 +2,9 @@
 
 Nothing here opens a connection: `apt-get download`, `apt-get update` and `npm pack` do, as
 subprocesses. Downloads land in a cache folder outside the repository (default
-`~/.cache/hf_concept/corpus-packages`, or `$HF_CONCEPT_CORPUS_CACHE`): `debian/*.deb`,
-`npm/*.tgz` and `apt-lists/Translation-ja`. A file appears there only once complete (it is fetched into
-a private folder and renamed), so a re-run takes the cache as it is and downloads nothing.
+`~/.cache/hf_concept/corpus-packages`, or `$HF_CONCEPT_CORPUS_CACHE`): `debian/*.deb`, `npm/*.tgz` and
+`apt-lists/Translation-<language>`. A file appears there only once complete (it is fetched into a
+private folder and renamed), so a re-run takes the cache as it is and downloads nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hf_concept.data.corpus_sources import (
     CHINESE_POETRY,
     DEBIAN,
     NPM,
+    TRANSLATION_PREFIX,
     Source,
     require_tool,
 )
@@ -64,7 +65,8 @@ def fetch_packages(sources: tuple[Source, ...], cache: Path, root: Path, progres
         elif registry == NPM:
             versions[package] = _unpack_npm(_cached_npm(cache / "npm"), tree)
         else:
-            versions[package] = _copy_translation(_cached_translation(cache / "apt-lists"), tree)
+            language = package.removeprefix(TRANSLATION_PREFIX)
+            versions[package] = _copy_translation(_cached_translation(language, cache / "apt-lists"), tree)
     return versions
 
 
@@ -122,16 +124,20 @@ def _unpack_npm(tarball: Path, tree: Path) -> str:
     return json.loads((tree / "package" / "package.json").read_text(encoding="utf-8"))["version"]
 
 
-def _cached_translation(cache: Path) -> Path:
-    """Debian's Japanese descriptions, fetched once by `apt-get update` and kept decompressed."""
-    cached = cache / "Translation-ja"
+def _cached_translation(language: str, cache: Path) -> Path:
+    """Debian's descriptions in `language`, fetched once by `apt-get update` and kept decompressed."""
+    cached = cache / f"Translation-{language}"
     if cached.is_file():
         return cached
     advice = "check the apt sources in /etc/apt"
-    _run(["apt-get", "update", "-o", "Acquire::Languages=ja"], None, advice)
-    lists = sorted(APT_LISTS.glob("*_i18n_Translation-ja*"))
+    _run(["apt-get", "update", "-o", f"Acquire::Languages={language}"], None, advice)
+    # apt escapes "_" in list names ("Translation-zh%5fCN").
+    escaped = language.replace("_", "%5f")
+    lists = sorted(
+        APT_LISTS.glob(f"*_i18n_Translation-{escaped}*") or APT_LISTS.glob(f"*_i18n_{cached.name}*")
+    )
     if not lists:
-        raise RuntimeError(f"no Translation-ja list in {APT_LISTS} after `apt-get update`; {advice}")
+        raise RuntimeError(f"no {cached.name} list in {APT_LISTS} after `apt-get update`; {advice}")
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("wb", dir=cache, prefix=".fetching-", delete=False) as partial:
         for listing in lists:
@@ -144,6 +150,6 @@ def _cached_translation(cache: Path) -> Path:
 
 def _copy_translation(listing: Path, tree: Path) -> str:
     tree.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(listing, tree / "Translation-ja")
+    shutil.copyfile(listing, tree / listing.name)
     fetched = datetime.fromtimestamp(listing.stat().st_mtime, tz=UTC).date().isoformat()
-    return f"Translation-ja fetched {fetched}"
+    return f"{listing.name} fetched {fetched}"

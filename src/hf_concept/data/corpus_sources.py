@@ -24,8 +24,10 @@ APT_TRANSLATION = "apt-translation"
 
 # The npm spec is pinned: the corpus must not change under a rebuild.
 CHINESE_POETRY = "chinese-poetry@2.0.1"
-# Package-root folder name of the Japanese description list (`<root>/<this>/Translation-ja`).
-TRANSLATION_JA = "debian-descriptions-ja"
+# Package-root folder of apt's description list in language LANG: `<root>/<prefix>LANG/Translation-LANG`.
+TRANSLATION_PREFIX = "debian-descriptions-"
+TRANSLATION_JA = TRANSLATION_PREFIX + "ja"
+TRANSLATION_ZH = TRANSLATION_PREFIX + "zh_CN"
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,16 @@ SOURCES: tuple[Source, ...] = (
         "GPL-2+ or CC-BY-SA-3.0",
         "html",
         ("usr/share/doc/debian-handbook/html/zh-CN/*.html",),
+    ),
+    # Not in the table either: the Chinese counterpart of Debian's Japanese descriptions.
+    Source(
+        "descriptions-zh",
+        APT_TRANSLATION,
+        (TRANSLATION_ZH,),
+        "zh",
+        "prose",
+        "per package (DDTP translations)",
+        "descriptions",
     ),
     Source(
         "manpages-ja",
