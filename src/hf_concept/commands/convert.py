@@ -2,8 +2,8 @@
 
 Targets are sub-subcommands ("conceptmoe", "hidden-decoding"); each maps its flags onto the keyword
 arguments of a converter in `hf_concept.conversion`. A user error (bad option, unsupported source,
-existing destination, a destination that is or holds the source, corrupt shard) prints one line to
-stderr and exits with status 2, without a traceback.
+existing destination, a destination that is or holds the source, corrupt shard, a DST that cannot be
+written) prints one line to stderr and exits with status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def _add_hidden_decoding(targets: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hf_concept.conversion.gguf_source import source_folder
+    from hf_concept.training.errors import failed_write_line
 
     try:
         # A GGUF source is de-quantised into a temporary safetensors folder for the converter to read.
@@ -158,8 +159,14 @@ def run(args: argparse.Namespace) -> int:
             if source.gguf is not None:
                 args.src, args.base_model = source.folder, args.base_model or str(source.gguf)
             destination = args.convert(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
+    except ValueError as error:
         print(f"hf-concept convert {args.target}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        # A write into DST that failed (read-only, full disk) is worded with what to do; the writer has
+        # already removed its staging folder, so nothing is left half-written.
+        line = failed_write_line(error, args.dst, "DST") or str(error)
+        print(f"hf-concept convert {args.target}: error: {line}", file=sys.stderr)
         return 2
     print(f"wrote {destination}")
     return 0

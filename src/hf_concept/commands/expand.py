@@ -1,8 +1,8 @@
 """`hf-concept expand SRC DST --streams M`: grow a Hidden Decoding checkpoint to M streams.
 
 M must be a multiple of the checkpoint's stream count; the new streams' embedding tables copy the
-existing ones cyclically (the paper's eq. 5). A user error prints one line to stderr and exits with
-status 2, without a traceback.
+existing ones cyclically (the paper's eq. 5). A user error (a DST that cannot be written included) prints
+one line to stderr and exits with status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hf_concept.conversion.hidden_decoding import expand_hidden_decoding
+    from hf_concept.training.errors import failed_write_line
 
     try:
         destination = expand_hidden_decoding(
@@ -41,8 +42,14 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             base_model=args.base_model,
         )
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
+    except ValueError as error:
         print(f"hf-concept expand: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        # A write into DST that failed (read-only, full disk) is worded with what to do; the writer has
+        # already removed its staging folder, so nothing is left half-written.
+        line = failed_write_line(error, args.dst, "DST") or str(error)
+        print(f"hf-concept expand: error: {line}", file=sys.stderr)
         return 2
     print(f"wrote {destination}")
     return 0

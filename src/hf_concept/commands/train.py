@@ -9,7 +9,9 @@ and exits with status 2; the summary table is printed by the main process only, 
 and compression curves into DIR/checkpoints/training_curves.png, beside trainer_state.json
 (`hf_concept.training.curves`; needs matplotlib, the `plots` extra: without it one line says that no
 picture was drawn). A run that diverges (non-finite loss, gradient norm or weight) prints one line naming
-the step and exits with status 1, having saved nothing non-finite.
+the step and exits with status 1, having saved nothing non-finite; so does a write that fails (a full
+disk), after removing what it had half-written. One run at a time per output folder: a second is refused
+at once (status 2) with one line naming the run that holds it (`hf_concept.training.output_lock`).
 """
 
 from __future__ import annotations
@@ -101,7 +103,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        required=True,
+        help="Where the model and checkpoints go. One run at a time: a second run into the same folder is "
+        "refused, naming the one that holds it.",
+    )
     parser.add_argument(
         "--overwrite-output-dir",
         action="store_true",
@@ -112,13 +120,23 @@ def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="Continue from the newest complete checkpoint in --output-dir/checkpoints (incomplete ones, "
-        "e.g. from a run killed while saving, are skipped with a warning).",
+        "e.g. from a run killed while saving, are skipped with a warning). A folder that holds a saved model "
+        "but no complete checkpoint (--save-steps 0) is refused rather than overwritten.",
     )
     resume.add_argument(
-        "--resume-from", type=Path, default=None, metavar="PATH", help="Continue from this checkpoint."
+        "--resume-from",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Continue from this checkpoint; refused when it was saved by another config, family, size or "
+        "LoRA setting, or holds NaN/inf weights.",
     )
     parser.add_argument(
-        "--max-steps", type=_max_steps, default=-1, help="Optimizer steps (overrides epochs; -1: use epochs)."
+        "--max-steps",
+        type=_max_steps,
+        default=-1,
+        help="Total optimizer steps (overrides epochs; -1: use epochs). When resuming it counts from step 0, "
+        "so it must lie beyond the checkpoint's step: a target at or below it is refused (exit 2).",
     )
     parser.add_argument("--num-train-epochs", type=float, default=1.0)
     parser.add_argument("--per-device-train-batch-size", type=_positive_int, default=8)
@@ -144,7 +162,7 @@ def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_concept.training.errors import TrainingDivergedError, TrainSetupError
+    from hf_concept.training.errors import OutputWriteError, TrainingDivergedError, TrainSetupError
     from hf_concept.training.recipes import train
 
     handler = logging.StreamHandler(sys.stderr)
@@ -197,12 +215,26 @@ def run(args: argparse.Namespace) -> int:
     except TrainSetupError as error:
         print(f"hf-concept train: error: {error}", file=sys.stderr)
         return 2
-    except TrainingDivergedError as error:
+    except (TrainingDivergedError, OutputWriteError) as error:
         print(f"hf-concept train: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"hf-concept train: error: {_os_error_line(error, args.output_dir)}", file=sys.stderr)
         return 1
     finally:
         logger.removeHandler(handler)
     return 0
+
+
+def _os_error_line(error: OSError, output_dir: Path) -> str:
+    """An OSError the library did not word itself (Trainer's own files, a file read): for a write into
+    the output folder the cause and what to do, else the file and the cause."""
+    from hf_concept.training.errors import failed_write_line
+
+    line = failed_write_line(error, output_dir, "--output-dir")
+    if line is None:
+        line = f"{error.filename}: {(error.strerror or str(error)).lower()}" if error.filename else str(error)
+    return line
 
 
 def _draw_curves(log_history: list[dict], output_dir: Path) -> None:

@@ -206,7 +206,7 @@ def remove_stale_folders(parent: str | Path) -> list[Path]:
         owner = _owner(folder) if match else None
         if owner is None or owner["destination"] != match["name"] or owner["host"] != socket.gethostname():
             continue
-        if _process_alive(owner["pid"]):
+        if process_alive(owner["pid"]):
             continue
         if match["kind"] == "old" and not (parent / owner["destination"]).exists():
             logger.warning(
@@ -242,7 +242,7 @@ def _owner(folder: Path) -> dict | None:
     return owner
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process `pid` exists on this host; True whenever that cannot be told."""
     if os.name != "posix":
         return True

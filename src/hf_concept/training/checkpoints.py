@@ -16,15 +16,24 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import shutil
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hf_concept.training.errors import TrainingDivergedError
+from hf_concept.training.errors import (
+    OutputWriteError,
+    TrainingDivergedError,
+    TrainSetupError,
+    is_write_failure,
+    write_failure_cause,
+    write_failure_hint,
+)
 
 logger = logging.getLogger("hf_concept.train")
 
@@ -35,37 +44,73 @@ WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
 WEIGHT_INDEX = "model.safetensors.index.json"
 
 
+# safetensors refuses headers above 100 MB; a larger length field means the file is not one.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(header length, header) of the safetensors file `path`, reading at most the header; ValueError
+    saying what is wrong when the length field or the JSON is not a header's, OSError when unreadable."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{size} bytes, too short for a header")
+        (header_length,) = struct.unpack("<Q", prefix)
+        if header_length > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"header length field {header_length} does not fit a file of {size} bytes")
+        header = json.loads(handle.read(header_length))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header_length, header
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why `path` is not a whole safetensors file (None when it is): its size must be the 8-byte header
-    length, the JSON header, and the data its offsets reach — a file cut short by a kill fails this."""
+    length, the JSON header, and the data its offsets reach — a file cut short by a kill fails this, and
+    so does one that is not safetensors at all (only the header is read, however large it claims to be)."""
     try:
-        with path.open("rb") as handle:
-            (header_length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_length))
-    except (OSError, struct.error, ValueError) as error:
-        return f"{path.name} is unreadable ({type(error).__name__})"
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        header_length, header = safetensors_header(path)
+        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+    except OSError as error:
+        return f"{path.name} is unreadable ({error.strerror or type(error).__name__})"
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        return f"{path.name} is not a valid safetensors file ({type(error).__name__}: {error})"
     expected = 8 + header_length + max(ends, default=0)
     size = path.stat().st_size
     return None if size == expected else f"{path.name} has {size} bytes, its header needs {expected}"
 
 
-def _weight_problems(folder: Path) -> list[str]:
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors weight files of a checkpoint: the shards its index names, else the full or
+    adapter weights present (check completeness with `checkpoint_problems` first)."""
     index = folder / WEIGHT_INDEX
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError):
-            return [f"{WEIGHT_INDEX} is not a valid index"]
-        missing = [name for name in shards if not (folder / name).is_file()]
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in shards]
+    return [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+
+
+def _weight_problems(folder: Path) -> list[str]:
+    index = folder / WEIGHT_INDEX
+    try:
+        files = weight_files(folder)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return [f"{WEIGHT_INDEX} is not a valid index"]
+    if index.is_file():
+        missing = [path.name for path in files if not path.is_file()]
         if missing:
             return [f"shards {missing} named by {WEIGHT_INDEX} are missing"]
-        files = [folder / name for name in shards]
-    else:
-        files = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
-        if not files:
-            return [f"no weights ({' or '.join(WEIGHT_FILES)} or {WEIGHT_INDEX})"]
+    elif not files:
+        return [f"no weights ({' or '.join(WEIGHT_FILES)} or {WEIGHT_INDEX})"]
     return [problem for problem in map(safetensors_problem, files) if problem]
+
+
+def _archive_problem(path: Path) -> str | None:
+    """`torch.save` writes a zip archive whose directory is at the end: a file cut short has none."""
+    if not zipfile.is_zipfile(path):
+        return f"{path.name} is cut short or not a torch.save file (no zip central directory)"
+    return None
 
 
 def checkpoint_problems(folder: str | Path) -> list[str]:
@@ -78,6 +123,8 @@ def checkpoint_problems(folder: str | Path) -> list[str]:
         path = folder / name
         if not path.is_file() or path.stat().st_size == 0:
             problems.append(f"{name} is missing")
+        elif path.suffix == ".pt" and (problem := _archive_problem(path)):
+            problems.append(problem)
     state = folder / "trainer_state.json"
     if state.is_file() and state.stat().st_size:
         try:
@@ -187,6 +234,14 @@ class SafeCheckpointsMixin:
         self._checkpoint_staging = str(staging)
         try:
             super()._save_checkpoint(model, trial)
+        except Exception as error:
+            # A failed save (a full disk) leaves nothing half-written; a kill (not an Exception) leaves the
+            # staging folder, which the next run removes.
+            if self.is_world_process_zero():
+                shutil.rmtree(staging, ignore_errors=True)
+            if is_write_failure(error):
+                raise self._write_failed(name, run_dir, error) from None
+            raise
         finally:
             self._checkpoint_staging = None
         self.accelerator.wait_for_everyone()
@@ -198,3 +253,35 @@ class SafeCheckpointsMixin:
             os.replace(staging / name, final)
             staging.rmdir()
         self.accelerator.wait_for_everyone()
+
+    def _write_failed(self, name: str, run_dir: Path, error: BaseException) -> OutputWriteError:
+        newest = latest_checkpoint(run_dir)
+        kept = f"the newest complete one is {newest.name}" if newest else "no complete one is there yet"
+        return OutputWriteError(
+            f"could not write {name} into {run_dir}: {write_failure_cause(error, run_dir)}; the partial "
+            f"checkpoint was removed and {kept}: {write_failure_hint(error, '--output-dir')}, then run again "
+            "with --resume"
+        )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise _resume_failed(resume_from_checkpoint, "its weights", error) from None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except (RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as error:
+            raise _resume_failed(checkpoint, "its optimizer or scheduler state", error) from None
+
+
+def _resume_failed(checkpoint: str | None, what: str, error: BaseException) -> TrainSetupError:
+    """The one line for a checkpoint Trainer could not load (the checks of `training.resume` catch the
+    known cases first; this names the rest)."""
+    text = str(error).strip()
+    first = text.splitlines()[0][:200] if text else type(error).__name__
+    return TrainSetupError(
+        f"{checkpoint}: {what} do not fit this run ({first}): resume with the model and flags that wrote it "
+        "(--lora, --mup), or start this run in another --output-dir"
+    )

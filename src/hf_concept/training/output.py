@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel
 
+from hf_concept.training.errors import (
+    OutputWriteError,
+    is_write_failure,
+    write_failure_cause,
+    write_failure_hint,
+)
+
 if TYPE_CHECKING:
     from hf_concept.training.recipes import RecipeTrainer
 
@@ -253,15 +260,23 @@ def finish(
         evaluation["eval_perplexity"] = math.exp(min(result.eval_loss, 50.0))
     trainer.check_finite_weights(model)
     staging = out / STAGING_NAME
-    _save_final(trainer, model, staging, merged)
-    if result.is_main_process:
-        try:
+    try:
+        _save_final(trainer, model, staging, merged)
+        if result.is_main_process:
             result.card_path = _write_card(
                 staging, out, base_model, training=training, evaluation=evaluation, compression=compression
             )
             publish(staging, out)
-        except BaseException:
+    except BaseException as error:
+        # Nothing half-written stays: the staging folder never looks like a model, but it is garbage.
+        if result.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-            raise
+        if isinstance(error, Exception) and is_write_failure(error):
+            raise OutputWriteError(
+                f"could not write the final model into {out}: {write_failure_cause(error, out)}; nothing "
+                f"of it was kept: {write_failure_hint(error, '--output-dir')}, then run again with --resume "
+                "(the checkpoints are kept)"
+            ) from None
+        raise
     trainer.accelerator.wait_for_everyone()
     return result

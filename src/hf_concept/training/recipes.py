@@ -33,7 +33,9 @@ Choices (the README's "Training" section states them for users):
   folder inside `output_dir` and moved into place with config.json last, so an interrupted save never
   leaves a folder that looks like a complete checkpoint. A non-empty `output_dir` is refused unless the
   run resumes (`resume`: the newest complete checkpoint; `resume_from`: a given one) or replaces it
-  (`overwrite_output_dir`, which removes the earlier checkpoints once the setup has passed).
+  (`overwrite_output_dir`, which removes the earlier checkpoints once the setup has passed). The run holds
+  an exclusive lock on `output_dir` throughout (`hf_concept.training.output_lock`); a checkpoint to resume
+  from must fit the run (`hf_concept.training.resume`: config, shapes, LoRA, finite, step target).
 - Divergence: the first non-finite loss, gradient norm or weight stops the run with `TrainingDivergedError`;
   no checkpoint or final model with non-finite weights is written.
 """
@@ -74,6 +76,8 @@ from hf_concept.training.data import (
 )
 from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.output import TrainResult, finish
+from hf_concept.training.output_lock import folder_entries, lock_output_dir
+from hf_concept.training.resume import check_resume, check_resume_target
 from hf_concept.training.trainer import ConceptTrainer
 
 logger = logging.getLogger("hf_concept.train")
@@ -313,7 +317,7 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool = F
         raise TrainSetupError(f"output_dir={str(out)!r} exists and is not a folder")
     if resuming and overwrite:
         raise TrainSetupError("--overwrite-output-dir starts again at step 0: it cannot go with --resume")
-    if out.is_dir() and any(out.iterdir()) and not (overwrite or resuming):
+    if out.is_dir() and folder_entries(out) and not (overwrite or resuming):
         held = "a model (config.json)" if (out / "config.json").exists() else "files of an earlier run"
         raise TrainSetupError(
             f"output_dir={str(out)!r} is not empty (it holds {held}): pass --resume to continue from its "
@@ -325,7 +329,8 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool = F
 
 def resolve_resume(out: Path, resume: bool, resume_from: str | Path | None) -> Path | None:
     """The checkpoint a run continues from: `resume_from` (refused unless complete), or with `resume` the
-    newest complete one under `out/checkpoints` (None, with a warning, when there is none)."""
+    newest complete one under `out/checkpoints`. With none there, a folder holding a saved model is
+    refused (training from step 0 would overwrite it); otherwise the run starts at step 0, with a warning."""
     if resume and resume_from is not None:
         raise TrainSetupError("give --resume or --resume-from PATH, not both")
     if resume_from is not None:
@@ -338,6 +343,14 @@ def resolve_resume(out: Path, resume: bool, resume_from: str | Path | None) -> P
     if not resume:
         return None
     checkpoint = latest_checkpoint(out / CHECKPOINTS_NAME)
+    saved = [name for name in ("config.json", *WEIGHT_FILES) if (out / name).is_file()]
+    if checkpoint is None and saved:
+        raise TrainSetupError(
+            f"--resume: output_dir={str(out)!r} holds a saved model ({', '.join(saved)}) but "
+            f"{out / CHECKPOINTS_NAME} holds no complete checkpoint to continue from (was it trained with "
+            "--save-steps 0?), and starting at step 0 would overwrite that model: choose another "
+            "--output-dir, --resume-from a checkpoint, or --overwrite-output-dir to replace it"
+        )
     if checkpoint is None:
         logger.warning(f"--resume: {out / CHECKPOINTS_NAME} holds no complete checkpoint; starting at step 0")
     else:
@@ -479,65 +492,72 @@ def train(
     weight stops being finite (nothing non-finite is saved).
     """
     check_schedule(learning_rate, max_steps)
-    out = check_output_dir(output_dir, overwrite_output_dir, resuming=resume or resume_from is not None)
-    checkpoint = resolve_resume(out, resume, resume_from)
-    model = load_model(model_or_path, seed)
-    tokenizer = load_tokenizer(model, model_or_path, tokenizer)
-    _check_vocabulary(model, tokenizer)
-    block_size = resolve_block_size(model, block_size)
-    train_set, eval_set = prepare_datasets(
-        data,
-        tokenizer,
-        eval_data=eval_data,
-        eval_split_fraction=eval_split_fraction,
-        text_field=text_field,
-        txt_documents=txt_documents,
-        block_size=block_size,
-        seed=seed,
-        encoding_errors=encoding_errors,
-    )
-    use_mup = _use_mup(model, mup)
-    callback_objects = resolve_callbacks(callbacks)
-    if lora:
-        set_seed(seed)
-        model = apply_lora(model, lora_r, lora_alpha, lora_dropout)
-    args = training_arguments(
-        out / CHECKPOINTS_NAME,
-        has_eval=eval_set is not None,
-        use_cpu=use_cpu or _no_accelerator(),
-        max_steps=max_steps,
-        num_train_epochs=num_train_epochs,
-        per_device_train_batch_size=per_device_train_batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        learning_rate=learning_rate,
-        warmup_steps=warmup_steps,
-        weight_decay=weight_decay,
-        logging_steps=logging_steps,
-        save_steps=save_steps,
-        eval_steps=eval_steps,
-        seed=seed,
-        bf16=bf16,
-        gradient_checkpointing=gradient_checkpointing,
-        report_to=report_to,
-        disable_tqdm=disable_tqdm,
-    )
-    out_existed = out.exists()
-    trainer = build_trainer(
-        model, tokenizer, args, train_set, eval_set, packing, callback_objects, use_mup, learning_rate
-    )
-    check_sharding_took_effect(trainer, out, out_existed)
-    _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=overwrite_output_dir)
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-    eval_metrics = trainer.evaluate() if eval_set is not None else {}
-    details = {
-        "data": [str(path) for path in ([data] if isinstance(data, (str, Path)) else data)],
-        "block_size": block_size,
-        "packing": packing,
-        "lora": {"r": lora_r, "alpha": lora_alpha} if lora else None,
-        "mup": use_mup,
-        "train_sequences": len(train_set),
-    }
-    return finish(trainer, out, eval_metrics, details, base_model or _base_model_name(model_or_path))
+    # One run per output folder for the whole run; the checks below see the folder as this run left it.
+    with lock_output_dir(output_dir, main_process=_is_main_rank()) as session:
+        out = check_output_dir(session.path, overwrite_output_dir, resuming=resume or resume_from is not None)
+        checkpoint = resolve_resume(out, resume, resume_from)
+        if checkpoint is not None:
+            check_resume_target(checkpoint, max_steps)
+        model = load_model(model_or_path, seed)
+        tokenizer = load_tokenizer(model, model_or_path, tokenizer)
+        _check_vocabulary(model, tokenizer)
+        block_size = resolve_block_size(model, block_size)
+        train_set, eval_set = prepare_datasets(
+            data,
+            tokenizer,
+            eval_data=eval_data,
+            eval_split_fraction=eval_split_fraction,
+            text_field=text_field,
+            txt_documents=txt_documents,
+            block_size=block_size,
+            seed=seed,
+            encoding_errors=encoding_errors,
+        )
+        use_mup = _use_mup(model, mup)
+        callback_objects = resolve_callbacks(callbacks)
+        if lora:
+            set_seed(seed)
+            model = apply_lora(model, lora_r, lora_alpha, lora_dropout)
+        if checkpoint is not None:
+            check_resume(model, checkpoint, lora)
+        args = training_arguments(
+            out / CHECKPOINTS_NAME,
+            has_eval=eval_set is not None,
+            use_cpu=use_cpu or _no_accelerator(),
+            max_steps=max_steps,
+            num_train_epochs=num_train_epochs,
+            per_device_train_batch_size=per_device_train_batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            learning_rate=learning_rate,
+            warmup_steps=warmup_steps,
+            weight_decay=weight_decay,
+            logging_steps=logging_steps,
+            save_steps=save_steps,
+            eval_steps=eval_steps,
+            seed=seed,
+            bf16=bf16,
+            gradient_checkpointing=gradient_checkpointing,
+            report_to=report_to,
+            disable_tqdm=disable_tqdm,
+        )
+        trainer = build_trainer(
+            model, tokenizer, args, train_set, eval_set, packing, callback_objects, use_mup, learning_rate
+        )
+        check_sharding_took_effect(trainer)
+        _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=overwrite_output_dir)
+        # From here on a failed run keeps what it wrote (checkpoints); before, a folder it made is removed.
+        session.started = True
+        trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        eval_metrics = trainer.evaluate() if eval_set is not None else {}
+        details = {
+            "data": [str(path) for path in ([data] if isinstance(data, (str, Path)) else data)],
+            "block_size": block_size,
+            "packing": packing,
+            "lora": {"r": lora_r, "alpha": lora_alpha} if lora else None,
+            "mup": use_mup,
+            "train_sequences": len(train_set),
+        }
+        return finish(trainer, out, eval_metrics, details, base_model or _base_model_name(model_or_path))
 
 
 def build_trainer(
@@ -571,16 +591,14 @@ def build_trainer(
     return trainer
 
 
-def check_sharding_took_effect(trainer: ConceptTrainer, out: Path, out_existed: bool) -> None:
+def check_sharding_took_effect(trainer: ConceptTrainer) -> None:
     """Refuse a run that asked for FSDP (`accelerate launch --use_fsdp` or a config with it) but that
     accelerate runs unsharded: on processes without a GPU-like device accelerate 1.15 keeps DDP and says
-    nothing (README, FSDP). Training on would silently hold every weight on every rank."""
+    nothing (README, FSDP). Training on would silently hold every weight on every rank. (An output folder
+    the run made is removed again by `lock_output_dir`: training has not started.)"""
     asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
     actual = trainer.accelerator.distributed_type
     if asked and actual != DistributedType.FSDP:
-        if trainer.is_world_process_zero() and not out_existed:
-            # The folders Trainer made when it was built: nothing else has been written yet.
-            shutil.rmtree(out, ignore_errors=True)
         raise TrainSetupError(
             f"FSDP was asked for (ACCELERATE_USE_FSDP={os.environ['ACCELERATE_USE_FSDP']}) but accelerate "
             f"runs this as {actual.value}, unsharded: it enables FSDP only on GPU-like devices (README, "
