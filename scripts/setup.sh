@@ -11,3 +11,12 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[dev]"
+# `hf-concept build-corpus` and its test run groff (man pages) and Rscript (Austen's novels are R data).
+if ! command -v groff >/dev/null 2>&1 || ! command -v Rscript >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends groff-base r-base-core >/dev/null
+    else
+        echo "setup.sh: build-corpus needs groff and Rscript: run" \
+            "\`apt-get install -y --no-install-recommends groff-base r-base-core\` as root" >&2
+    fi
+fi

@@ -241,7 +241,7 @@ def test_refuses_non_empty_output_dir(package_root: Path, tmp_path: Path, capsys
 @pytest.mark.parametrize(
     ("missing", "sources", "fetching", "command"),
     [
-        ("groff", ["manpages-ja"], False, "apt-get install -y groff"),
+        ("groff", ["manpages-ja"], False, "apt-get install -y groff-base"),
         ("Rscript", ["austen"], False, "apt-get install -y --no-install-recommends r-base-core"),
         ("npm", ["chinese-poetry"], True, "apt-get install -y npm"),
     ],

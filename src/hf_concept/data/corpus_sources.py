@@ -193,7 +193,7 @@ INSTALL_COMMANDS = {
     "apt-get": "apt-get is Debian's package client: build on Debian or pass --package-root",
     "dpkg-deb": "apt-get install -y dpkg",
     "npm": "apt-get install -y npm",
-    "groff": "apt-get install -y groff",
+    "groff": "apt-get install -y groff-base",
     "Rscript": "apt-get install -y --no-install-recommends r-base-core",
 }
 
