@@ -453,9 +453,24 @@ def segment_text(model: torch.nn.Module, tokenizer: Any, text: str) -> Segmentat
     """
     if not isinstance(text, str) or not text:
         raise ValueError(f"text={text!r}: give a non-empty string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        # Fast tokenizers raise a TypeError that names neither the text nor the character.
+        raise ValueError(
+            f"text[{error.start}] is U+{ord(text[error.start]):04X}, a lone surrogate with no UTF-8 "
+            "encoding (a byte of another encoding, read with errors='surrogateescape'); pass UTF-8 text"
+        ) from None
     input_ids = tokenizer(text, return_tensors="pt").input_ids
     if input_ids.shape[1] == 0:
         raise ValueError(f"text={text!r} gives no tokens")
+    vocab_size = getattr(model.config, "vocab_size", None)
+    if vocab_size is not None and int(input_ids.max()) >= vocab_size:
+        # The embedding would raise an IndexError that names no cause.
+        raise ValueError(
+            f"the tokenizer gives id {int(input_ids.max())}, but the model's vocab_size is {vocab_size}: "
+            "the tokenizer does not belong to this model"
+        )
     device = next(model.parameters()).device
     opens, probs, _ = forward_boundaries(model, input_ids.to(device))
     token_ids = input_ids[0].tolist()

@@ -6,7 +6,10 @@ transformers' DynamicCache for the plain family). New text goes to stdout as it 
 (transformers' `TextStreamer`, prompt skipped); a one-line summary — new tokens, tokens per second, cache
 size — goes to stderr, so `hf-concept generate ... > out.txt` keeps only the text. Beam search cannot
 stream (transformers refuses a streamer with beams), so with `--num-beams > 1` the text is printed at
-the end. User errors (missing folder, no tokenizer, bad flag values) print one line and exit 2.
+the end. User errors print one line and exit 2 before the model loads: a missing folder or tokenizer, bad
+flag values, a `--device` torch cannot use here (cuda on a CPU-only build), a prompt that is not UTF-8,
+and a tokenizer that does not belong to the checkpoint (`checks.check_tokenizer`: vocabulary size, special
+ids, the tokenizer class the checkpoint names; `--skip-tokenizer-check` runs anyway).
 
 `load_checkpoint` and `add_loading_flags` are shared with `hf-concept segment`.
 """
@@ -45,6 +48,12 @@ def add_loading_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=DTYPES, default="auto", help="Weights dtype (default: the checkpoint's)."
+    )
+    parser.add_argument(
+        "--skip-tokenizer-check",
+        action="store_true",
+        help="Run even when the tokenizer does not match the checkpoint (vocabulary size, special ids, "
+        "tokenizer class), which is refused by default because the output would be garbage.",
     )
 
 
@@ -90,11 +99,18 @@ def read_model_type(checkpoint: Path) -> str:
 
 
 def load_checkpoint(
-    checkpoint: Path, tokenizer_path: str | None = None, device: str | None = None, dtype: str = "auto"
+    checkpoint: Path,
+    tokenizer_path: str | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+    check_tokenizer: bool = True,
 ) -> tuple[Any, Any]:
-    """(model in eval mode on `device`, tokenizer), both loaded with `trust_remote_code=True`."""
+    """(model in eval mode on `device`, tokenizer), both loaded with `trust_remote_code=True`. The device
+    and (unless `check_tokenizer=False`) the tokenizer are checked against the checkpoint first."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hf_concept.commands import checks
 
     read_model_type(checkpoint)
     source = tokenizer_path if tokenizer_path is not None else str(checkpoint)
@@ -102,13 +118,16 @@ def load_checkpoint(
         where = f"checkpoint {str(checkpoint)!r}" if tokenizer_path is None else f"--tokenizer {source!r}"
         hint = "; pass --tokenizer PATH (a folder with a saved tokenizer)" if tokenizer_path is None else ""
         raise FileNotFoundError(f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}")
-    try:
-        device_obj = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as error:
-        raise ValueError(f"--device={device!r} is not a torch device ({error})") from None
+    device_obj = checks.resolve_device(device)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
+    if check_tokenizer:
+        checks.check_tokenizer(checkpoint, tokenizer, config, tokenizer_path)
     model = AutoModelForCausalLM.from_pretrained(
-        checkpoint, trust_remote_code=True, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+        checkpoint,
+        config=config,
+        trust_remote_code=True,
+        dtype=dtype if dtype == "auto" else getattr(torch, dtype),
     )
     return model.to(device_obj).eval(), tokenizer
 
@@ -158,7 +177,12 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer, set_seed
 
-    model, tokenizer = load_checkpoint(args.checkpoint, args.tokenizer, args.device, args.dtype)
+    from hf_concept.commands.checks import require_utf8
+
+    require_utf8(args.prompt, "PROMPT")
+    model, tokenizer = load_checkpoint(
+        args.checkpoint, args.tokenizer, args.device, args.dtype, not args.skip_tokenizer_check
+    )
     inputs = encode_prompt(tokenizer, args.prompt, model.config.vocab_size)
     inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
     stream = not args.no_stream and args.num_beams == 1

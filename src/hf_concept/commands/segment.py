@@ -9,7 +9,9 @@ heatmap (`segmentation.render_page`). `--png PATH` draws one text (needs Pillow 
 before the model loads). Hidden Decoding has no boundaries: its stream probe table
 (`hf_concept.probes.probe_streams`) is printed instead, and `--html` writes a page that says so, with the
 texts and their probe tables and no heatmap. The plain family (or any other model_type) has neither,
-which is an error (exit 2) before the model loads, as are a missing folder or tokenizer.
+which is an error (exit 2) before the model loads, as are a missing folder or tokenizer, a text that is
+not UTF-8, a `--device` torch cannot use here and a tokenizer that does not belong to the checkpoint
+(`commands.checks`; `--skip-tokenizer-check` runs anyway).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_concept.commands.checks import require_utf8
 from hf_concept.commands.generate import add_loading_flags, load_checkpoint, read_model_type
 
 HIDDEN_DECODING_MODEL_TYPE = "hidden_decoding"
@@ -89,9 +92,13 @@ def _segment(args: argparse.Namespace) -> int:
 
     if not all(args.text):
         raise ValueError("text='': give some text to segment")
+    for index, text in enumerate(args.text, start=1):
+        require_utf8(text, f"TEXT {index}" if len(args.text) > 1 else "TEXT")
     model_type = read_model_type(args.checkpoint)
     _check_outputs(args, model_type)
-    model, tokenizer = load_checkpoint(args.checkpoint, args.tokenizer, args.device, args.dtype)
+    model, tokenizer = load_checkpoint(
+        args.checkpoint, args.tokenizer, args.device, args.dtype, not args.skip_tokenizer_check
+    )
     if model_type == HIDDEN_DECODING_MODEL_TYPE:
         return _probe_streams(args, model, tokenizer)
     views = [segment_text(model, tokenizer, text) for text in args.text]
