@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -73,6 +74,7 @@ _loading_saved_config: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+@functools.cache
 def _generation_keys() -> frozenset[str]:
     """Every generation setting transformers knows (v4 kept them in the model config)."""
     return frozenset(GenerationConfig().to_dict())
@@ -88,6 +90,7 @@ def loading_saved_config() -> Iterator[None]:
         _loading_saved_config.reset(token)
 
 
+@functools.cache
 def known_keys(config_class: type) -> frozenset[str]:
     """The config's own parameter names (its dataclass fields, transformers' base fields included) and
     the names in its `attribute_map`."""
@@ -99,10 +102,10 @@ def misspelt_keys(config_class: type, kwargs: Mapping[str, Any]) -> dict[str, st
     """{unknown key: the field it resembles} for the keys of `kwargs` that are neither fields nor
     transformers' own keys but spell close to a field."""
     fields = known_keys(config_class)
-    ignored = fields | TRANSFORMERS_KEYS | _generation_keys()
     found = {}
     for key in kwargs:
-        if not isinstance(key, str) or key.startswith("_") or key in ignored:
+        ignored = key in fields or key in TRANSFORMERS_KEYS or key in _generation_keys()
+        if ignored or not isinstance(key, str) or key.startswith("_"):
             continue
         match = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=CLOSENESS)
         if match:
