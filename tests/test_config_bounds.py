@@ -2,7 +2,9 @@
 with a ValueError naming the field and the value, or accepts it and then builds a tiny model whose
 forward pass is finite. The walk covers 0, -1, inf, nan and a huge value for each field, discovered from
 the default config (fields whose default is a number) and the annotations (optional `int | None` /
-`float | None` fields). Also: `convert --ratio`, LSLM's token ids and its Beta prior.
+`float | None` fields). Also: `convert --ratio`, LSLM's token ids and its Beta prior, and legal values that
+earlier checks refused (a norm eps >= 1, LSLM without an eos id, ...: issue 26), which must build, run and
+generate.
 """
 
 from __future__ import annotations
