@@ -49,7 +49,8 @@ def tokenizer_mismatches(
 ) -> list[str]:
     """Why `tokenizer` does not fit the checkpoint whose config is `config`; empty when nothing is found.
     `tokenizer_path` is the --tokenizer folder (None: the checkpoint's own tokenizer)."""
-    problems = _vocab_mismatches(checkpoint, len(tokenizer), config.vocab_size)
+    vocab_size = getattr(config, "vocab_size", None)
+    problems = [] if vocab_size is None else _vocab_mismatches(checkpoint, len(tokenizer), vocab_size)
     for name in SPECIAL_IDS:
         expected, found = getattr(config, name, None), getattr(tokenizer, name, None)
         allowed = expected if isinstance(expected, list | tuple) else [expected]

@@ -46,7 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "fit-scaling",
         help="Fit DLCM's compression-aware scaling law (eq. 22) or decay law (eq. 23) to a CSV of runs.",
         description="Main law columns: N, D, R, P, loss. Decay law columns: N, R, loss_stable, loss_decayed "
-        "(one row per run) or run, N, R, D, loss (trajectories; the window is read off each run).",
+        "(one row per run) or run, N, R, D, loss (trajectories; the window is read off each run). A "
+        "constant loss or too few rows is refused (exit 2); a fit with R^2 below 0.9 or parameters at the "
+        "edge of the search box prints a warning on stderr.",
     )
     parser.add_argument("runs", type=Path, help="CSV file with a header row.")
     parser.add_argument("--law", choices=("main", "decay"), default="main")
