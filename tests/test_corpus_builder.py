@@ -21,7 +21,15 @@ from hf_concept import cli
 from hf_concept.data import corpus_builder, corpus_sources
 from hf_concept.data.corpus_builder import SPLITS, build_corpus, normalise_line, split_of
 
-SOURCES = ["austen", "bible", "python-doc", "chinese-poetry", "manpages-ja", "descriptions-ja"]
+SOURCES = [
+    "austen",
+    "bible",
+    "python-doc",
+    "chinese-poetry",
+    "manpages-ja",
+    "descriptions-ja",
+    "libreoffice-help-ja",
+]
 BOILERPLATE = "Copyright 2001 the Fake Software Foundation."
 SHARED_VERSE = "And it was so."
 HTML_DIR = "usr/share/doc/python3.11/html/library"
@@ -109,6 +117,16 @@ def _write_man(root: Path) -> None:
     (dev / "printf.3").write_text(page.format(name="printf", what="書式付きで出力する"), encoding="utf-8")
 
 
+def _write_help(root: Path) -> None:
+    folder = root / "libreoffice-help-ja/usr/share/libreoffice/help/ja/text/scalc"
+    folder.mkdir(parents=True)
+    (folder / "01.html").write_text(
+        "<html><body><h1>データベース関数</h1><p>Untranslated English paragraph.</p>"
+        '<p>関数は三つの引数を取ります。</p><span hidden="true">MAC only</span></body></html>',
+        encoding="utf-8",
+    )
+
+
 def _write_descriptions(root: Path) -> None:
     folder = root / corpus_sources.TRANSLATION_JA
     folder.mkdir(parents=True)
@@ -129,6 +147,7 @@ def package_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _write_poetry(root)
     _write_man(root)
     _write_descriptions(root)
+    _write_help(root)
     return root
 
 
@@ -157,10 +176,11 @@ def test_columns_values_and_provenance(built: Path) -> None:
         ("manpages-ja", "ja", "technical"),
         ("manpages-ja-dev", "ja", "technical"),
         (corpus_sources.TRANSLATION_JA, "ja", "prose"),
+        ("libreoffice-help-ja", "ja", "technical"),
     }
     documents = {row["document"]: row["text"] for row in rows}
-    # 6 HTML pages, 2 novels, 3 books, 1 poem file (no strains), 3 man pages (no redirect), 2 packages
-    assert len(documents) == 17
+    # 6 + 1 HTML pages, 2 novels, 3 books, 1 poem file (no strains), 3 man pages (no redirect), 2 packages
+    assert len(documents) == 18
     assert "Navigation sidebar" not in "".join(documents.values()) and "var x" not in "".join(
         documents.values()
     )
@@ -171,6 +191,9 @@ def test_columns_values_and_provenance(built: Path) -> None:
     )
     man = documents["manpages-ja:usr/share/man/ja/man1/cp.1.gz"]
     assert "cp - ファイルをコピーする" in man and "\\fB" not in man and ".TH" not in man
+    # The help's untranslated English line is dropped, as is the hidden element.
+    help_page = "libreoffice-help-ja:usr/share/libreoffice/help/ja/text/scalc/01.html"
+    assert documents[help_page] == "データベース関数\n関数は三つの引数を取ります。"
     assert documents["Translation-ja:0ad"] == "古代戦争のゲーム\n自由なゲームです。\n\n二段落目です。"
     provenance = json.loads((built / "provenance.json").read_text())
     total = sum(len(row["text"].encode()) for row in rows)

@@ -51,7 +51,22 @@ def extract_source(source: Source, root: Path, progress: bool = True) -> Iterato
             )
     extractor = EXTRACTORS[source.extractor]
     for document_id, package, text in extractor(source, root, progress):
-        yield Document(text, source.language, source.kind, package, document_id)
+        if source.script_lines_only:
+            text = _script_lines(text, SCRIPTS[source.language])
+        if text:
+            yield Document(text, source.language, source.kind, package, document_id)
+
+
+# Characters of each language's own script: CJK ideographs (and kana for Japanese).
+SCRIPTS = {
+    "zh": re.compile(r"[\u3400-\u9fff\uf900-\ufaff]"),
+    "ja": re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uf900-\ufaff]"),
+    "en": re.compile(r"[A-Za-z]"),
+}
+
+
+def _script_lines(text: str, script: re.Pattern) -> str:
+    return "\n".join(line for line in text.splitlines() if script.search(line))
 
 
 def _matching_files(source: Source, root: Path) -> list[tuple[str, Path]]:

@@ -44,6 +44,9 @@ class Source:
     extractor: str
     # Globs relative to the first package's tree (man, html and json extractors).
     patterns: tuple[str, ...] = ()
+    # Keep only lines with a character of the language's own script: LibreOffice's help ships the English
+    # text of every paragraph not yet translated, which would carry the wrong language label.
+    script_lines_only: bool = False
 
 
 SOURCES: tuple[Source, ...] = (
@@ -127,6 +130,38 @@ SOURCES: tuple[Source, ...] = (
         "html",
         ("usr/share/doc/debian-handbook/html/zh-CN/*.html",),
     ),
+    # Also beyond the table, for modern Chinese: the counterparts of the Japanese manuals.
+    Source(
+        "libreoffice-help-zh",
+        DEBIAN,
+        ("libreoffice-help-zh-cn",),
+        "zh",
+        "technical",
+        "MPL-2.0",
+        "html",
+        ("usr/share/libreoffice/help/zh-CN/text/**/*.html",),
+        script_lines_only=True,
+    ),
+    Source(
+        "debian-faq-zh",
+        DEBIAN,
+        ("debian-faq-zh-cn",),
+        "zh",
+        "technical",
+        "Debian FAQ licence (verbatim and modified copies permitted)",
+        "html",
+        ("usr/share/doc/debian/FAQ/zh-cn/*.html",),
+    ),
+    Source(
+        "maint-guide-zh",
+        DEBIAN,
+        ("maint-guide-zh-cn",),
+        "zh",
+        "technical",
+        "GPL-2+",
+        "html",
+        ("usr/share/doc/maint-guide-zh-cn/html/*.html",),
+    ),
     # Not in the table either: the Chinese counterpart of Debian's Japanese descriptions.
     Source(
         "descriptions-zh",
@@ -165,6 +200,7 @@ SOURCES: tuple[Source, ...] = (
         "MPL-2.0",
         "html",
         ("usr/share/libreoffice/help/ja/text/**/*.html",),
+        script_lines_only=True,
     ),
     Source(
         "debian-reference-ja",
