@@ -159,9 +159,10 @@ def test_loss_adds_the_weighted_ratio_loss(scope):
     assert_close(outputs.aux_loss, expected.detach(), atol=1e-6, rtol=0)
     assert_close(outputs.loss, outputs.lm_loss + 0.5 * expected, atol=1e-6, rtol=0)
     if scope == "global":
-        # Under a Trainer (num_items_in_batch given) the global scope needs the step's running counts.
-        with pytest.raises(ValueError, match="ConceptTrainer"):
-            model(input_ids=input_ids, labels=input_ids, num_items_in_batch=36)
+        # Under a Trainer (num_items_in_batch given) without the step's running counts, a micro-batch of a
+        # larger step (18 of 36 label tokens) takes its own statistics: the batch scope's share.
+        unplanned = model(input_ids=input_ids, labels=input_ids, num_items_in_batch=36)
+        assert_close(unplanned.aux_loss, expected.detach() * 18 / 36, atol=1e-6, rtol=0)
         model.ratio_accumulator = RatioAccumulator(1)
         model.ratio_accumulator.reset(step_token_count=input_ids.numel())
     scaled = model(input_ids=input_ids, labels=input_ids, num_items_in_batch=36)
@@ -169,7 +170,7 @@ def test_loss_adds_the_weighted_ratio_loss(scope):
     factor = 1.0 if scope == "global" else 18 / 36
     assert_close(scaled.aux_loss, expected.detach() * factor, atol=1e-6, rtol=0)
     scaled.loss.backward()
-    assert model.model.chunker.q_proj.weight.grad.abs().sum() > 0
+    assert model.model.chunker.boundary_query.weight.grad.abs().sum() > 0
 
 
 def test_concept_loop_and_wider_concept_model_run_and_train():
@@ -201,10 +202,10 @@ def test_joint_projectors_and_router_initialisation():
     for attention in attentions[1:]:
         for projection in (attention.concept_q_proj, attention.concept_k_proj, attention.concept_v_proj):
             assert torch.count_nonzero(projection.weight) == 0
-    assert torch.equal(model.model.chunker.q_proj.weight, torch.eye(32))
+    assert torch.equal(model.model.chunker.boundary_query.weight, torch.eye(32))
     names = set(model.state_dict())
     assert "model.decoder_layers.2.self_attn.concept_v_proj.weight" in names
-    assert "model.chunker.k_proj.weight" in names
+    assert "model.chunker.boundary_key.weight" in names
     linear = concept_model(router="linear")
     assert {"model.chunker.score.weight", "model.chunker.score.bias"} <= set(linear.state_dict())
 

@@ -413,8 +413,8 @@ def test_converted_checkpoint_layout(tmp_path):
     # J = min(4, decoder_layers) = 1: the only decoder layer reads concepts through zero projectors.
     for kind in "qkv":
         assert not after[f"model.decoder_layers.0.self_attn.concept_{kind}_proj.weight"].any()
-    query = after["model.chunker.q_proj.weight"]
-    assert query.shape == (32, 32) and not torch.equal(query, after["model.chunker.k_proj.weight"])
+    query = after["model.chunker.boundary_query.weight"]
+    assert query.shape == (32, 32) and not torch.equal(query, after["model.chunker.boundary_key.weight"])
     assert abs(query.std().item() - 0.02) < 0.005
     index = json.loads((destination / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(after) and len(set(index["weight_map"].values())) > 1
@@ -446,9 +446,9 @@ def test_options_reach_the_checkpoint(tmp_path):
     _, first = convert_tiny(tmp_path, "first", source, seed=3)
     _, again = convert_tiny(tmp_path, "again", source, seed=3)
     _, other = convert_tiny(tmp_path, "other", source, seed=4)
-    first_q = read_checkpoint(first)["model.chunker.q_proj.weight"]
-    assert torch.equal(first_q, read_checkpoint(again)["model.chunker.q_proj.weight"])
-    assert not torch.equal(first_q, read_checkpoint(other)["model.chunker.q_proj.weight"])
+    first_q = read_checkpoint(first)["model.chunker.boundary_query.weight"]
+    assert torch.equal(first_q, read_checkpoint(again)["model.chunker.boundary_query.weight"])
+    assert not torch.equal(first_q, read_checkpoint(other)["model.chunker.boundary_query.weight"])
     _, varied = convert_tiny(
         tmp_path,
         "varied",
@@ -462,7 +462,7 @@ def test_options_reach_the_checkpoint(tmp_path):
     )
     tensors = read_checkpoint(varied)
     assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
-    assert torch.equal(tensors["model.chunker.k_proj.weight"], torch.eye(32, dtype=torch.bfloat16))
+    assert torch.equal(tensors["model.chunker.boundary_key.weight"], torch.eye(32, dtype=torch.bfloat16))
     assert not [name for name in tensors if "concept_q_proj" in name]
     config = json.loads((varied / "config.json").read_text())
     assert config["concept_loop"] == [0, 1, 2] and config["pooling"] == "mean"

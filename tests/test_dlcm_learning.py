@@ -74,7 +74,7 @@ def test_the_lm_loss_reaches_the_learned_router_through_ema_smoothing():
     _, loss = lm_loss_of(model, input_ids)
     loss.backward()
     chunker = model.model.chunker
-    for projection in (chunker.q_proj, chunker.k_proj):
+    for projection in (chunker.boundary_query, chunker.boundary_key):
         assert projection.weight.grad is not None and projection.weight.grad.abs().max() > 0
 
 

@@ -86,7 +86,7 @@ def test_parameters_land_in_their_stage_group():
     by_hand = {
         "model.encoder_layers.0.self_attn.q_proj.weight": "token",
         "model.encoder_layers.0.mlp.down_proj.weight": "token",
-        "model.chunker.k_proj.weight": "token",
+        "model.chunker.boundary_key.weight": "token",
         "model.decoder_layers.0.cross_attn.q_proj.weight": "token",
         "model.decoder_layers.0.cross_attn.o_proj.weight": "token",
         "model.decoder_layers.0.mlp.up_proj.weight": "token",

@@ -1,7 +1,8 @@
-"""PEFT target lists and the boundary router (issue 19, point 5). A LoRA written for attention by module
-name (`["q_proj", "k_proj", ...]`, the usual list) also matches the router's `chunker.q_proj`/`k_proj` and
-would train the segmentation; `hf_concept.training.LORA_ATTENTION_TARGETS` (what `hf-concept train --lora`
-uses) matches the attention projections only, and `LORA_EXPERT_TARGETS` adapts a MoE's experts."""
+"""PEFT target lists and the boundary router (issue 19, point 5; issue 26, point 17). The router's
+projections are `chunker.boundary_query`/`boundary_key`, which no attention target list matches (they
+were `q_proj`/`k_proj`, so the usual `["q_proj", "v_proj"]` LoRA trained the segmentation);
+`hf_concept.training.LORA_ATTENTION_TARGETS` (what `hf-concept train --lora` uses) matches every
+attention projection, cross- and joint-attention included, and `LORA_EXPERT_TARGETS` a MoE's experts."""
 
 from __future__ import annotations
 
@@ -36,10 +37,34 @@ def wrapped(model) -> set[str]:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_name_list_for_attention_also_catches_the_router(family):
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    names = wrapped(peft.get_peft_model(build(family), config))
-    assert any(".chunker.q_proj" in name for name in names), names
+def test_no_default_target_list_of_peft_matches_the_router(family):
+    """PEFT's own matching rule (a name, a ".name" suffix, or a regex's full match) over its default
+    targets of every architecture it knows."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    routers = [name for name, _ in build(family).named_modules() if ".chunker." in name]
+    assert {name.rsplit(".", 1)[1] for name in routers} == {"boundary_query", "boundary_key"}
+    for model_type, targets in DEFAULTS.items():
+        config = peft.LoraConfig(target_modules=targets)
+        matched = [name for name in routers if check_target_module_exists(config, name)]
+        assert not matched, (model_type, matched)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_usual_q_v_lora_adapts_attention_and_leaves_the_router_untouched(family):
+    model = build(family)
+    router_before = {name: value.clone() for name, value in model.named_parameters() if "chunker" in name}
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    names = wrapped(adapted)
+    assert names and all(".self_attn." in name or ".cross_attn." in name for name in names), names
+    optimizer = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-2)
+    input_ids = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(1))
+    adapted(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    for name, value in adapted.get_base_model().named_parameters():
+        if name in router_before:
+            assert torch.equal(value, router_before[name]), name
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -4,6 +4,7 @@ and TRL's SFTTrainer, which drops the model's own ratio loss, against `ConceptSF
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -50,19 +51,82 @@ def test_batch_scope_shares_add_up_to_the_token_weighted_micro_batch_losses(fami
     torch.testing.assert_close(sum(shares), sum(alone) / 2, rtol=1e-6, atol=1e-7)
 
 
+def plain_trainer_run(family: str, scope: str, tmp_path, accumulation: int, steps: int = 1):
+    """`steps` optimizer steps of a plain `Trainer` over 8 rows, batches of 4 // `accumulation`; the loss
+    logged at the first step and the router's gradients as the optimizer gets them."""
+    tokens = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(5))
+    rows = [{"input_ids": ids, "labels": ids} for ids in tokens.tolist()]
+    callback = _GradientsBeforeTheStep()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / scope), per_device_train_batch_size=4 // accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3, max_grad_norm=0.0,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    model = build(family, ratio_scope=scope, compression_ratio=4.0)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+    trainer.train()
+    return trainer.state.log_history[0]["loss"], callback.gradients
+
+
+def scope_warnings(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if "ratio_scope='global'" in record.getMessage()]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_global_scope_under_a_plain_trainer_is_refused_with_the_fix(family, tmp_path):
-    model = build(family, ratio_scope="global")
+def test_a_plain_trainer_trains_the_global_scope_as_the_batch_scope_without_a_word(family, tmp_path, caplog):
+    """One process, no accumulation: the step is the batch, so the global scope is the batch scope exactly
+    (the same loss and router gradients) and nothing is said."""
+    with caplog.at_level(logging.WARNING):
+        global_loss, global_grads = plain_trainer_run(family, "global", tmp_path, accumulation=1)
+    batch_loss, batch_grads = plain_trainer_run(family, "batch", tmp_path, accumulation=1)
+    assert global_loss == batch_loss
+    assert global_grads[0].abs().max() > 0, "the ratio loss must reach the router"
+    torch.testing.assert_close(global_grads[0], batch_grads[0], atol=0, rtol=0)
+    assert scope_warnings(caplog) == []
+
+
+def test_a_plain_trainer_with_accumulation_falls_back_to_the_batch_scope_with_one_warning(tmp_path, caplog):
+    """Accumulation 2 over two optimizer steps (four micro-batches): each micro-batch uses its own
+    statistics, as the batch scope does, and the model says so once, naming the trainers that plan."""
+    with caplog.at_level(logging.WARNING):
+        global_loss, global_grads = plain_trainer_run("dlcm", "global", tmp_path, accumulation=2, steps=2)
+    batch_loss, batch_grads = plain_trainer_run("dlcm", "batch", tmp_path, accumulation=2, steps=2)
+    assert global_loss == batch_loss
+    for planned, batch in zip(global_grads, batch_grads, strict=True):
+        torch.testing.assert_close(planned, batch, atol=0, rtol=0)
+    (message,) = scope_warnings(caplog)
+    assert "ConceptTrainer" in message and "ConceptSFTTrainer" in message and "ratio_scope='batch'" in message
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_several_processes_without_a_plan_take_the_batch_scope_with_one_warning(family, monkeypatch, caplog):
+    """A process group of two (average_tokens_across_devices off: num_items_in_batch is the local count)."""
+    model = build(family, ratio_scope="global", compression_ratio=4.0).train()
+    input_ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(3))
+    items = torch.tensor(2 * 15)
+    alone = model(input_ids=input_ids, labels=input_ids, num_items_in_batch=items)
+    assert scope_warnings(caplog) == []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            ranked = model(input_ids=input_ids, labels=input_ids, num_items_in_batch=items)
+    assert len(scope_warnings(caplog)) == 1
+    model.config.ratio_scope = "batch"
+    batch = model(input_ids=input_ids, labels=input_ids, num_items_in_batch=items)
+    torch.testing.assert_close(ranked.loss, batch.loss, atol=0, rtol=0)
+    torch.testing.assert_close(alone.loss, batch.loss, atol=0, rtol=0)
+
+
+def test_concept_trainer_plans_the_global_scope_with_accumulation_without_a_warning(tmp_path, caplog):
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (8, 16)).tolist()]
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="ConceptTrainer") as error:
-        Trainer(model=model, args=args, train_dataset=rows).train()
-    assert "ratio_scope='batch' or 'sequence'" in str(error.value)
-    # ConceptTrainer keeps the step's running counts: the same run trains.
-    ConceptTrainer(model=build(family, ratio_scope="global"), args=args, train_dataset=rows).train()
+    with caplog.at_level(logging.WARNING):
+        ConceptTrainer(model=build("conceptmoe", ratio_scope="global"), args=args, train_dataset=rows).train()
+    assert scope_warnings(caplog) == []
 
 
 def sft_run(trainer_class, family: str, tmp_path, accumulation: int = 1, **overrides):
@@ -90,25 +154,34 @@ def sft_run(trainer_class, family: str, tmp_path, accumulation: int = 1, **overr
     return expected, trainer.state.log_history[0]
 
 
+def dropped_warnings(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if "not in the loss" in record.getMessage()]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_sft_trainer_drops_the_ratio_loss_and_concept_sft_trainer_keeps_it(family, tmp_path):
+def test_sft_trainer_drops_the_ratio_loss_and_concept_sft_trainer_keeps_it(family, tmp_path, caplog):
     trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl) — SFTTrainer not checked")
     from hf_concept.training.sft import ConceptSFTTrainer
 
-    expected, kept = sft_run(
-        ConceptSFTTrainer, family, tmp_path / "kept", ratio_scope="batch", compression_ratio=4.0
-    )
+    with caplog.at_level(logging.WARNING):
+        expected, kept = sft_run(
+            ConceptSFTTrainer, family, tmp_path / "kept", ratio_scope="batch", compression_ratio=4.0
+        )
+    assert dropped_warnings(caplog) == []
     weight = expected.loss - expected.lm_loss
     assert float(weight) > 1e-4, "the ratio term must be visible for this test to mean anything"
     # The logged loss is the model's own: LM + λ · ratio loss, and the concept metrics are logged.
     assert kept["loss"] == pytest.approx(float(expected.loss), rel=1e-4)
     assert {"aux_loss", "compression_ratio", "inference_compression_ratio"} <= set(kept)
-    _, dropped = sft_run(
-        trl.SFTTrainer, family, tmp_path / "dropped", ratio_scope="batch", compression_ratio=4.0
-    )
-    # TRL's fused head scores the LM loss alone: the ratio term is gone, without a word.
+    with caplog.at_level(logging.WARNING):
+        _, dropped = sft_run(
+            trl.SFTTrainer, family, tmp_path / "dropped", ratio_scope="batch", compression_ratio=4.0
+        )
+    # TRL's fused head scores the LM loss alone: the ratio term is gone, and the model says so once.
     assert dropped["loss"] == pytest.approx(float(expected.lm_loss), rel=1e-4)
     assert not math.isclose(dropped["loss"], kept["loss"], rel_tol=1e-4)
+    (message,) = dropped_warnings(caplog)
+    assert "the ratio loss (aux_loss_weight=" in message and "ConceptSFTTrainer" in message
 
 
 def test_concept_sft_trainer_runs_the_global_scope_with_accumulation(tmp_path):

@@ -71,7 +71,7 @@ def test_accumulated_micro_batches_update_like_one_batch(tmp_path):
     accumulated = _train_one_step(tmp_path, batch_size=2, accumulation=2)
     single = _train_one_step(tmp_path, batch_size=4, accumulation=1)
     untouched = _model()
-    router = "model.chunker.q_proj.weight"
+    router = "model.chunker.boundary_query.weight"
     moved = dict(single.named_parameters())[router] - dict(untouched.named_parameters())[router]
     assert moved.abs().max() > 1e-4, "the router did not move: the test would not see a doubled aux term"
     for name, parameter in single.named_parameters():

@@ -137,7 +137,7 @@ def conceptmoe_name(plain_name: str, encoder_layers: int, concept_layers: int) -
 
 def new_tensor(name: str, shape: tuple[int, ...], config, generator: torch.Generator) -> torch.Tensor | None:
     """Initial value of a tensor the source does not have; None when `name` is not one we add."""
-    if name in ("model.chunker.q_proj.weight", "model.chunker.k_proj.weight"):
+    if name in ("model.chunker.boundary_query.weight", "model.chunker.boundary_key.weight"):
         if config.router_init == "identity":
             return torch.eye(*shape)
         return torch.randn(shape, generator=generator) * config.initializer_range

@@ -5,7 +5,9 @@ Dk router key width.
 
 Contract:
 - `Chunker` gives boundary probabilities (B, L): p_t reads tokens t − 1 and t only (the previous key
-  comes from the cache for a continued row); starts have p = 1, pads p = 0.
+  comes from the cache for a continued row); starts have p = 1, pads p = 0. Its cosine projections are
+  `boundary_query`/`boundary_key`, names that no LoRA target list for attention matches; checkpoints
+  saved before that rename (`chunker.q_proj`/`k_proj`) load through `LEGACY_ROUTER_KEYS`.
 - `fixed_boundaries`: every R-th token of each document opens a chunk, counted from the document's
   first token by its position id (p = 1 at openings, 0 elsewhere).
 - `emit_concepts` lists the concepts that become *readable* in this slice, in the order they become
@@ -21,6 +23,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,14 +32,38 @@ from .concept_cache import ConceptState
 from .pooling import pool_concepts, readable_concept_index
 from .routing import cosine_boundary_probs, linear_boundary_probs
 
+# The router's projections were `q_proj`/`k_proj` until a LoRA for attention by module name
+# (`target_modules=["q_proj", "v_proj"]`, PEFT matching a name or a ".name" suffix) turned out to adapt
+# the segmentation too. Checkpoint key renames (transformers' `key_mapping` regex -> replacement; plain
+# names, since the reverse renaming on save uses each side as the other's replacement).
+LEGACY_ROUTER_KEYS = {
+    "chunker.q_proj.": "chunker.boundary_query.",
+    "chunker.k_proj.": "chunker.boundary_key.",
+}
+
+
+class LegacyRouterKeysMixin:
+    """`from_pretrained` of a concept family: also loads checkpoints with the legacy router key names.
+
+    transformers 5 matches checkpoint keys against the model's own (module hooks do not run there) and
+    applies the conversion table of a custom class only once registered globally; a `key_mapping`
+    added here reaches it from remote code too. A checkpoint loaded this way is saved again with the
+    names it had (transformers reverts the renamings a load used), which old and new code both read.
+    """
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        key_mapping = {**LEGACY_ROUTER_KEYS, **(kwargs.pop("key_mapping", None) or {})}
+        return super().from_pretrained(*args, key_mapping=key_mapping, **kwargs)
+
 
 class IdentityInitLinear(nn.Linear):
     """A router projection initialised to the identity (`router_init="identity"`)."""
 
 
 class Chunker(nn.Module):
-    """Router: cosine (q_proj, k_proj: D -> D), linear (score: D -> 1) or rule (DLCM §8.1: the cosine
-    of the token states themselves, no parameters)."""
+    """Router: cosine (boundary_query, boundary_key: D -> D), linear (score: D -> 1) or rule (DLCM §8.1:
+    the cosine of the token states themselves, no parameters)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -45,10 +72,17 @@ class Chunker(nn.Module):
         if self.kind == "cosine":
             init_kind = getattr(config, "router_init", "random")
             linear_class = IdentityInitLinear if init_kind == "identity" else nn.Linear
-            self.q_proj = linear_class(width, width, bias=False)
-            self.k_proj = linear_class(width, width, bias=False)
+            self.boundary_query = linear_class(width, width, bias=False)
+            self.boundary_key = linear_class(width, width, bias=False)
         elif self.kind == "linear":
             self.score = nn.Linear(width, 1, bias=True)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        # torch's `load_state_dict` (Trainer's resume, PEFT's `modules_to_save` copies): legacy names too.
+        for legacy, name in (("q_proj.", "boundary_query."), ("k_proj.", "boundary_key.")):
+            for key in [key for key in state_dict if key.startswith(prefix + legacy)]:
+                state_dict[prefix + name + key.removeprefix(prefix + legacy)] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
         self,
@@ -63,7 +97,7 @@ class Chunker(nn.Module):
                 token_states, token_states, starts, mask, past_keys=past_keys
             ), token_states
         if self.kind == "cosine":
-            queries, keys = self.q_proj(token_states), self.k_proj(token_states)
+            queries, keys = self.boundary_query(token_states), self.boundary_key(token_states)
             return cosine_boundary_probs(queries, keys, starts, mask, past_keys=past_keys), keys
         logits = self.score(token_states).squeeze(-1)  # (B, L)
         return linear_boundary_probs(logits, starts, mask), None

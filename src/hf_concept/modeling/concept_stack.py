@@ -23,14 +23,18 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
+from transformers.utils import logging
 
 from .chunking import concept_attention_mask, fixed_boundaries
 from .concept_cache import ConceptCache, ConceptState
 from .forward_only_cache import adopt_cache
+from .loss_terms import LOSS_IN_FORWARD, TRAINERS, warn_loss_terms_dropped
 from .modeling_plain import CausalLMMixin, PlainDecoderModel, default_position_ids
 from .packing import document_starts, token_mask
 from .ratio_step import RatioAccumulator
 from .routing import boundary_decisions, expected_boundaries, ratio_loss, rule_boundaries, scale_aux_loss
+
+logger = logging.get_logger(__name__)
 
 
 class ConfigView:
@@ -105,6 +109,8 @@ class ConceptStackMixin:
         """Embeddings, the family's cache (generate's empty default replaced), token layout and masks."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if not kwargs.pop(LOSS_IN_FORWARD, False):
+            warn_loss_terms_dropped(self, self.family_name, self.extra_loss_terms())
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, L, D)
@@ -127,6 +133,13 @@ class ConceptStackMixin:
             **kwargs,
         )
         return TokenStep(inputs_embeds, cache, position_ids, mask, starts, masks, layer_kwargs)
+
+    def extra_loss_terms(self) -> list[str]:
+        """The family's loss terms beyond the cross-entropy, which only the causal LM's forward adds."""
+        config = self.config
+        if config.chunking == "fixed" or not config.aux_loss_weight:
+            return []
+        return [f"the ratio loss (aux_loss_weight={config.aux_loss_weight})"]
 
     def token_layout(
         self,
@@ -313,10 +326,10 @@ class ConceptCausalLMMixin(CausalLMMixin):
     """Causal LM of the concept-level families: loss = LM cross-entropy + `aux_loss_weight` · ratio loss
     (0 for fixed chunking), with `lm_loss`, `aux_loss`, `compression_ratio` (real tokens per concept)
     and `boundary_prob_mean` in the output. Scope "global" adds the ratio loss share (routing.py; set
-    `ratio_accumulator` to a `RatioAccumulator` reset every optimizer step — `ConceptTrainer` does — and
-    under a `Trainer` without one it raises instead of counting the step k times); scopes "batch" and
-    "sequence" are scaled by local label tokens / `num_items_in_batch` when that is given. The backbone
-    returns a `ConceptModelOutput`.
+    `ratio_accumulator` to a `RatioAccumulator` reset every optimizer step — `ConceptTrainer` does);
+    under a `Trainer` without one it computes the batch scope (`unplanned_global_scope`); scopes "batch"
+    and "sequence" are scaled by local label tokens / `num_items_in_batch` when that is given. The
+    backbone returns a `ConceptModelOutput`.
     """
 
     output_class = ConceptCausalLMOutput
@@ -330,6 +343,11 @@ class ConceptCausalLMMixin(CausalLMMixin):
     @ratio_accumulator.setter
     def ratio_accumulator(self, accumulator: RatioAccumulator | None) -> None:
         self.model.ratio_accumulator = accumulator
+
+    def backbone_kwargs(self, labels: torch.Tensor | None, kwargs: dict) -> dict:
+        """With labels this forward assembles the family's loss: the backbone is told so, and warns about
+        dropped loss terms only when it is not (loss_terms.py)."""
+        return kwargs if labels is None else {**kwargs, LOSS_IN_FORWARD: True}
 
     def loss_and_fields(
         self, outputs: ConceptModelOutput, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict
@@ -353,6 +371,35 @@ class ConceptCausalLMMixin(CausalLMMixin):
             sampled_compression_ratio=mask.sum() / self.expected_boundaries(outputs).sum().clamp_min(1),
             boundary_prob_mean=outputs.boundary_probs[mask].mean().detach() if mask.any() else None,
         )
+
+    def unplanned_global_scope(self, labels: torch.Tensor, num_items_in_batch: Any) -> str:
+        """The scope a "global" ratio loss computes under a `Trainer` that plans no step: "batch".
+
+        `num_items_in_batch` is what says a `Trainer` runs this forward: the label tokens of the whole
+        optimizer step (every micro-batch and, with `average_tokens_across_devices`, every process).
+        Without the step's counts (a `RatioAccumulator`, which `ConceptTrainer` sets) each micro-batch
+        would add the step's whole loss again, so the micro-batch's own statistics are used, weighted as
+        the LM loss is: the batch scope, exact for what it is. With one micro-batch on one process that
+        is the global scope itself. The step is larger than this micro-batch when `num_items_in_batch`
+        exceeds its label tokens (accumulation, or processes counted together) or when torch.distributed
+        runs several processes (`average_tokens_across_devices=False` leaves the count local): then the
+        scope is smaller than asked, and the model says so once. The check reads only what reaches the
+        model, since remote code cannot see the trainer; a miscount can only cost a spurious warning,
+        never a different loss.
+        """
+        if not getattr(self, "_warned_unplanned_global", False):
+            local_items = (labels[..., 1:] != -100).sum()
+            accumulated = bool(torch.as_tensor(num_items_in_batch).max().cpu() > local_items.cpu())
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if accumulated or (distributed and torch.distributed.get_world_size() > 1):
+                self._warned_unplanned_global = True
+                logger.warning(
+                    "ratio_scope='global' takes the ratio statistics over the whole optimizer step, which "
+                    "needs the step planned: this Trainer accumulates micro-batches or runs several "
+                    "processes without a plan, so each micro-batch uses its own statistics "
+                    f"(ratio_scope='batch'). Train with {TRAINERS} for the global scope."
+                )
+        return "batch"
 
     @torch.no_grad()
     def inference_boundaries(self, outputs: ConceptModelOutput) -> torch.Tensor:
@@ -396,14 +443,7 @@ class ConceptCausalLMMixin(CausalLMMixin):
             and self.ratio_accumulator is None
             and num_items_in_batch is not None
         ):
-            # A Trainer passes num_items_in_batch; without the step's running counts each accumulated
-            # micro-batch would add the whole step's loss again.
-            raise ValueError(
-                "ratio_scope='global' (ratio statistics over the whole optimizer step) needs the step's "
-                "running counts: train with hf_concept.training.ConceptTrainer (or ConceptSFTTrainer for "
-                "TRL), or set model.ratio_accumulator to a RatioAccumulator reset at every optimizer step, "
-                "or choose ratio_scope='batch' or 'sequence'"
-            )
+            scope = self.unplanned_global_scope(labels, num_items_in_batch)
         token_weights = None
         if scope == "sequence":
             # Token t carries the label at t (predicted from t − 1): a sequence weighs its label tokens.

@@ -48,6 +48,7 @@ from .chunking import (
     Chunker,
     EmittedConcepts,
     IdentityInitLinear,
+    LegacyRouterKeysMixin,
     emit_concepts,
 )
 from .concept_cache import ConceptCache, ConceptState
@@ -147,7 +148,7 @@ class _Step:
     state: ConceptState
 
 
-class ConceptMoEPreTrainedModel(PreTrainedModel):
+class ConceptMoEPreTrainedModel(LegacyRouterKeysMixin, PreTrainedModel):
     """Shared class attributes and weight initialisation of the ConceptMoE family."""
 
     config_class = ConceptMoEConfig

@@ -53,7 +53,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .chunking import Chunker, EmittedConcepts, emit_concepts
+from .chunking import Chunker, EmittedConcepts, LegacyRouterKeysMixin, emit_concepts
 from .concept_cache import ConceptCache, ConceptState
 from .concept_stack import (
     ConceptCausalLMMixin,
@@ -244,7 +244,7 @@ class DLCMDecoderLayer(GradientCheckpointingLayer):
         )
 
 
-class DLCMPreTrainedModel(PreTrainedModel):
+class DLCMPreTrainedModel(LegacyRouterKeysMixin, PreTrainedModel):
     """Shared class attributes and (μP-aware) weight initialisation of the DLCM family."""
 
     config_class = DLCMConfig

@@ -73,6 +73,7 @@ from .layers import (
     attention_recorder,
     recording_attentions,
 )
+from .loss_terms import prior_loss_terms, warn_loss_terms_dropped
 from .lslm_generation import SegmentCacheSteps
 from .lslm_layers import BoundaryRouter, SegmentDecoderLayer, stage_config
 from .lslm_layout import (
@@ -284,6 +285,8 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         """(B, T) ids -> `LSLMModelOutput`: the byte-level states `LSLMForCausalLM.lm_head` reads."""
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError(INPUTS_EMBEDS_MESSAGE)
+        # The causal LM runs `parallel_pass`: a training forward here has no ELBO (loss_terms.py).
+        warn_loss_terms_dropped(self, "LSLM", prior_loss_terms(self.config))
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         layout = self.parallel_pass(
@@ -585,6 +588,8 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
                 f"labels of shape {tuple(labels.shape)} do not match input_ids of shape "
                 f"{tuple(input_ids.shape)}: LSLM shifts the labels itself, pass them aligned with input_ids"
             )
+        if labels is None:
+            warn_loss_terms_dropped(self, "LSLM", prior_loss_terms(self.config))
         # The config's default asks for a cache only outside training: nothing generates from a
         # training pass, and filling the cache costs a decoder pass.
         implicit = use_cache is None
