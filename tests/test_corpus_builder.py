@@ -104,7 +104,10 @@ def _write_poetry(root: Path) -> None:
 def _write_man(root: Path) -> None:
     folder = root / "manpages-ja/usr/share/man/ja/man1"
     folder.mkdir(parents=True)
-    page = ".TH {name} 1\n.SH 名前\n{name} \\- {what}\n.SH 説明\n\\fB{name}\\fP は{what}。\n"
+    page = (
+        ".TH {name} 1\n.SH 名前\n{name} \\- {what}\n.SH 説明\n\\fB{name}\\fP は{what}。"
+        " 長い行は groff が折り返すが 語の間を 空白で 埋めない ので 行は 左寄せの まま 読める。\n"
+    )
     (folder / "ls.1").write_text(
         page.format(name="ls", what="ディレクトリの内容を表示する"), encoding="utf-8"
     )
@@ -191,6 +194,8 @@ def test_columns_values_and_provenance(built: Path) -> None:
     )
     man = documents["manpages-ja:usr/share/man/ja/man1/cp.1.gz"]
     assert "cp - ファイルをコピーする" in man and "\\fB" not in man and ".TH" not in man
+    # Left-adjusted: no run of spaces between words (only the indentation).
+    assert all("  " not in line.strip() for line in man.splitlines()[1:-1]), man
     # The help's untranslated English line is dropped, as is the hidden element.
     help_page = "libreoffice-help-ja:usr/share/libreoffice/help/ja/text/scalc/01.html"
     assert documents[help_page] == "データベース関数\n関数は三つの引数を取ります。"

@@ -107,33 +107,44 @@ def _lines_to_text(lines: list[str]) -> str:
 
 def extract_man(source: Source, root: Path, progress: bool) -> Iterator[tuple[str, str, str]]:
     """Man pages as groff renders them for a UTF-8 terminal of 80 columns, without overstrikes."""
+    import tempfile
+
     require_tool("groff", f"the man pages of {source.name}")
     pages = [(package, path) for package, path in _matching_files(source, root) if not _is_redirect(path)]
-    # Two renders at a time: a thread only waits on its groff process.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        texts = pool.map(lambda item: render_man(item[1]), pages)
-        for (package, path), text in zip(_progress(pages, source, progress), texts, strict=True):
-            if text:
-                yield _document_id(package, path, root), package, text
+    with tempfile.TemporaryDirectory(prefix="hf-concept-tmac-") as macros:
+        (Path(macros) / f"{NO_ADJUST_MACRO}.tmac").write_text(NO_ADJUST_TMAC)
+        # Two renders at a time: a thread only waits on its groff process.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            texts = pool.map(lambda item: render_man(item[1], Path(macros)), pages)
+            for (package, path), text in zip(_progress(pages, source, progress), texts, strict=True):
+                if text:
+                    yield _document_id(package, path, root), package, text
 
 
 # -k: preconv finds the page's encoding; -t: tbl for tables; -P-cbou: plain characters, no bold or
-# underline overstrikes (so no `col -b`); LL: 80 columns; AD=l, HY=0: no padding spaces between words
-# and no hyphenation, which would split words (and CJK text) across lines. `man -l` would do the same,
-# but it hung on some pages of manpages-zh here while groff alone does not.
-GROFF_MAN = ["groff", "-k", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=80n", "-dAD=l", "-rHY=0"]
+# underline overstrikes (so no `col -b`); LL: 80 columns; HY=0: no hyphenation, which would split words
+# across lines. `man -l` would do the same, but it hung on some pages of manpages-zh here.
+GROFF_MAN = ["groff", "-k", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=80n", "-rHY=0"]
+# Loaded after -man: `.TH` turns adjustment off, so words are not padded with spaces to fill a line
+# (groff 1.22's man macros have no `-dAD=l`); it reads "getrpcport()    は  host  上で" otherwise.
+NO_ADJUST_MACRO = "hf-concept-noadjust"
+NO_ADJUST_TMAC = ".am TH\n.na\n..\n"
 # A page that takes longer than this is dropped (none does on Debian 12's pages).
 MAN_TIMEOUT_S = 60
 
 
-def render_man(path: Path) -> str:
-    """The plain text of one (possibly gzipped) man page; "" when groff fails or hangs."""
+def render_man(path: Path, macro_dir: Path) -> str:
+    """The plain text of one (possibly gzipped) man page; "" when groff fails or hangs.
+
+    `macro_dir` holds NO_ADJUST_MACRO's file.
+    """
     import gzip
 
     roff = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    command = [*GROFF_MAN, "-M", str(macro_dir), f"-m{NO_ADJUST_MACRO}"]
     env = {**os.environ, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "GROFF_NO_SGR": "1"}
     try:
-        result = subprocess.run(GROFF_MAN, input=roff, env=env, capture_output=True, timeout=MAN_TIMEOUT_S)
+        result = subprocess.run(command, input=roff, env=env, capture_output=True, timeout=MAN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return ""
     return _lines_to_text(result.stdout.decode("utf-8", errors="replace").splitlines())
