@@ -168,8 +168,10 @@ def scan_folder(
         for name in names:
             path = (base / name).as_posix()
             reason = _skip_reason(path, rules)
-            if reason is None and not (Path(root) / name).is_file():
-                reason = f"broken symbolic link to {os.readlink(Path(root) / name)}"
+            entry = Path(root) / name
+            if reason is None and not entry.is_file():
+                is_link = entry.is_symlink()
+                reason = f"broken symbolic link to {os.readlink(entry)}" if is_link else "not a regular file"
             if reason:
                 skipped.append(f"{path} ({reason})")
             else:
