@@ -4,7 +4,8 @@
 the backbone's last hidden states (`trl.trainer.utils.add_fused_lm_head`). For the families here that loss
 is not the model's: ConceptMoE's and DLCM's ratio loss and LSLM's KL term are dropped, and DLCM's μP
 output scaling (logits × 1/s_token) is skipped. The router then follows the LM loss alone and its
-compression drifts, with nothing in the logs to say so.
+compression drifts; the model warns once, at the first training step (`modeling/loss_terms.py`: its
+backbone ran in training without the causal LM assembling the loss).
 
 `ConceptSFTTrainer` keeps everything of `SFTTrainer` (datasets, formatting, collators, completion-only
 labels, PEFT wiring) and takes the loss from the model's own forward, as `ConceptTrainer` does, with

@@ -24,7 +24,9 @@ Global ratio loss under gradient accumulation: a model with a `ratio_accumulator
 `config.ratio_scope == "global"` gets a `RatioAccumulator` reset at the start of every optimizer step,
 with the step's real-token count summed over all processes (Trainer fetches a step's micro-batches up
 front, so the count is known before the first forward). Without it every micro-batch would add a full
-share of its own loss, counting the aux term once per accumulation step. The step is also planned
+share of its own loss, counting the aux term once per accumulation step (a plain `Trainer` therefore
+gets the batch scope, with one warning when the step holds more than one micro-batch or process:
+`ConceptCausalLMMixin.unplanned_global_scope`). The step is also planned
 (`ratio_step.plan_ratio_step`): each micro-batch's boundary decisions are drawn before the step's first
 forward and replayed by it, so every micro-batch uses the step's boundary fraction, and k accumulated
 micro-batches give the loss and gradients of one batch k times as large.
