@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     except (MissingToolError, ValueError, OSError, RuntimeError) as error:
         print(f"hf-concept build-corpus: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"hf-concept build-corpus: interrupted; {args.output_dir} was not written", file=sys.stderr)
+        return 130
     print(summary(provenance))
     print(f"saved to {args.output_dir} in {time.monotonic() - started:.0f} s")
     return 0

@@ -114,11 +114,15 @@ def extract_man(source: Source, root: Path, progress: bool) -> Iterator[tuple[st
     with tempfile.TemporaryDirectory(prefix="hf-concept-tmac-") as macros:
         (Path(macros) / f"{NO_ADJUST_MACRO}.tmac").write_text(NO_ADJUST_TMAC)
         # Two renders at a time: a thread only waits on its groff process.
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        pool = ThreadPoolExecutor(max_workers=2)
+        try:
             texts = pool.map(lambda item: render_man(item[1], Path(macros)), pages)
             for (package, path), text in zip(_progress(pages, source, progress), texts, strict=True):
                 if text:
                     yield _document_id(package, path, root), package, text
+        finally:
+            # On an interrupt, drop the pages not yet rendered instead of rendering them all first.
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 # -k: preconv finds the page's encoding; -t: tbl for tables; -P-cbou: plain characters, no bold or
