@@ -1,15 +1,37 @@
 """LSLM generation over a `SegmentCache` (modeling_lslm's module docstring, "Generation"): the parallel pass
 fills the cache, then `step` advances it one input column. `SegmentCacheSteps` is a mixin of `LSLMModel`:
-it uses the model's embeddings, stages, router and `config`."""
+it uses the model's embeddings, stages, router and `config`.
+
+`SegmentMarkerGeneration` (a mixin of `LSLMForCausalLM`) gives users bytes: transformers' loop feeds each
+generated id back, and the `<nxt>`/`<bos>` markers it writes must go back in (they close segments, and
+a full recomputation reads them), so the loop runs on the raw ids and the markers are taken out of what
+`generate` returns and of what a streamer receives.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
+from transformers.generation.streamers import BaseStreamer
 
 from .boundary_rules import crosses, rate_units, running_units
 from .lslm_layout import ByteView, always_closing, document_causal_mask
 from .pooling import pool_open_chunk
 from .segment_cache import SegmentCache
+
+
+def stack_step_attentions(steps: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Per-column `attentions` of Q cached steps -> one tuple of (B, H, Q, K') entries: row q is column q's
+    own (B, H, 1, K_q) weights, zero-padded on the right to the widest K' (each column attends over
+    the keys stored by then; what a one-column call returns for it is row q up to K_q)."""
+    stacked = []
+    for per_column in zip(*steps, strict=True):
+        width = max(weights.shape[-1] for weights in per_column)
+        padded = [F.pad(weights, (0, width - weights.shape[-1])) for weights in per_column]
+        stacked.append(torch.cat(padded, dim=-2))
+    return tuple(stacked)
 
 
 class SegmentCacheSteps:
@@ -74,19 +96,26 @@ class SegmentCacheSteps:
             )
         return self.decoder_norm(states)
 
-    def step(self, input_ids: torch.Tensor, real: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        real: torch.Tensor,
+        cache: SegmentCache,
+        layer_states: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """One input column: (B,) ids and (B,) real flags -> (B, Dd) normed decoder state of its logits.
 
         A byte feeds the token encoder and the router; it closes its segment when the router (or `<BoS>`
         / `<eos>`) says so, a marker closes any open segment; after a close the decoder restarts at
-        `<bos>` with one more segment to read. Pads (real = False) change nothing.
+        `<bos>` with one more segment to read. Pads (real = False) change nothing. `layer_states` (when
+        given) receives the column's hidden states (`token_step`).
         """
         config = self.config
         is_marker = real & (
             (input_ids == config.segment_start_token_id) | (input_ids == config.segment_end_token_id)
         )
         is_byte = real & ~is_marker
-        token_states = self.token_step(input_ids, is_byte, cache)  # (B, Dt)
+        token_states = self.token_step(input_ids, is_byte, cache, layer_states)  # (B, Dt)
         probs = torch.sigmoid(self.router(token_states[:, None]))[:, 0]
         special = always_closing(input_ids, config)
         content_ends = is_byte & (self.step_decisions(probs, is_byte & ~special, cache) | special)
@@ -94,6 +123,8 @@ class SegmentCacheSteps:
         closing = content_ends | (is_marker & (cache.open_counts > 0))
         if bool(closing.any()):
             self.close_segments(cache, closing)
+        else:
+            self.record_no_segment(cache, token_states)
         restart = closing | is_marker
         store = cache.decoder_store
         store.reset(restart)
@@ -106,6 +137,25 @@ class SegmentCacheSteps:
         cache.items += 1
         return states[:, 0]
 
+    def step_rows(
+        self,
+        entries: tuple[torch.Tensor, ...],
+        input_ids: torch.Tensor,
+        real: torch.Tensor,
+        closes: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """One step's (B, ·, 1, K) attention entries with the rows the parallel pass leaves at zero
+        (`lslm_layout.token_aligned_attentions`) zeroed too: token-encoder rows of non-bytes, segment-encoder
+        rows that close nothing (`closes` (B,)), decoder rows of pads."""
+        config = self.config
+        is_marker = (input_ids == config.segment_start_token_id) | (input_ids == config.segment_end_token_id)
+        token, segment = len(self.token_layers), len(self.segment_layers)
+        kept = []
+        for number, weights in enumerate(entries):
+            rows = real & ~is_marker if number < token else (closes if number < token + segment else real)
+            kept.append(weights * rows[:, None, None, None].to(weights.dtype))
+        return tuple(kept)
+
     def step_decisions(self, probs: torch.Tensor, counted: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
         """(B,) the inference rule for one column, advancing the cache's running sum ("rate")."""
         if self.config.boundary_rule != "rate":
@@ -115,14 +165,26 @@ class SegmentCacheSteps:
         cache.rate_units = previous + units
         return crosses(previous, cache.rate_units) & counted
 
-    def token_step(self, input_ids: torch.Tensor, is_byte: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
-        """Token encoder over one column; non-byte rows leave an unattended hole. -> (B, Dt)."""
+    def token_step(
+        self,
+        input_ids: torch.Tensor,
+        is_byte: torch.Tensor,
+        cache: SegmentCache,
+        layer_states: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Token encoder over one column; non-byte rows leave an unattended hole. -> (B, Dt).
+
+        `layer_states` (when given) receives the input of each layer and the normed output, (B, Dt)
+        each, zero in non-byte rows: the parallel pass's `hidden_states` at this column."""
         valid = torch.cat([cache.token_valid, is_byte[:, None]], dim=1)
         allowed = valid.clone()
         allowed[:, -1] = True  # a non-byte row reads at least itself (unused, finite)
         states = self.embed_tokens(input_ids[:, None])
         rope = self.token_rotary_emb(states, cache.byte_counts[:, None])
+        keep = is_byte[:, None].to(states.dtype)  # (B, 1)
         for layer in self.token_layers:
+            if layer_states is not None:
+                layer_states.append(states[:, 0] * keep)
             states, _ = layer(
                 states,
                 attention_mask=allowed[:, None, None, :],
@@ -131,7 +193,21 @@ class SegmentCacheSteps:
             )
         cache.token_valid = valid
         cache.byte_counts = cache.byte_counts + is_byte.long()
-        return self.token_norm(states)[:, 0]
+        states = self.token_norm(states)[:, 0]
+        if layer_states is not None:
+            layer_states.append(states * keep)
+        return states
+
+    def record_no_segment(self, cache: SegmentCache, like: torch.Tensor) -> None:
+        """While attentions are recorded, a step that closes no segment still gives each segment-encoder
+        layer its entry: zero weights (B, H, 1, M') over the stored segments (no row reads them), so
+        every step's `attentions` holds tensors only (assisted decoding slices each entry)."""
+        width = cache.segment_store.width()
+        for layer in self.segment_layers:
+            recorder = layer.self_attn.attention_recorder
+            if recorder is not None:
+                heads = self.config.num_attention_heads
+                recorder.record(layer.self_attn, like.new_zeros(like.shape[0], heads, 1, width))
 
     def close_segments(self, cache: SegmentCache, closing: torch.Tensor) -> None:
         """Pool the open segment of the `closing` (B,) rows, encode it, append its cross K/V."""
@@ -153,3 +229,87 @@ class SegmentCacheSteps:
             cache.cross_store.update(*layer.cross_attn.project_segments(states), layer.layer_idx)
         cache.cross_store.end()
         cache.open_counts = cache.open_counts.masked_fill(closing, 0)
+
+
+def without_segment_markers(
+    sequences: torch.Tensor, prompt_length: int, markers: torch.Tensor, pad_token_id: int
+) -> torch.Tensor:
+    """(B, L) generated rows -> the rows with every marker after the prompt taken out, the bytes of each row
+    moved left in order and the rows right-padded with `pad_token_id` to the longest (B, L' <= L)."""
+    new = sequences[:, prompt_length:]
+    kept = ~torch.isin(new, markers)
+    order = torch.sort((~kept).long(), dim=1, stable=True).indices
+    counts = kept.sum(dim=1)  # (B,)
+    width = int(counts.max()) if counts.numel() else 0
+    moved = torch.gather(new, 1, order)[:, :width]
+    moved = moved.masked_fill(torch.arange(width, device=new.device)[None] >= counts[:, None], pad_token_id)
+    return torch.cat([sequences[:, :prompt_length], moved], dim=1)
+
+
+class SegmentMarkerFilter(BaseStreamer):
+    """Passes a streamer the prompt (the first `put`, unchanged), then the generated ids without markers:
+    one row's markers are dropped (a `put` of markers only is skipped); in a batch, where every row gets
+    one id per `put`, a marker becomes `pad_token_id`, as transformers streams a finished row."""
+
+    def __init__(self, streamer: BaseStreamer, markers: torch.Tensor, pad_token_id: int) -> None:
+        self.streamer, self.markers, self.pad_token_id = streamer, markers.cpu(), pad_token_id
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            self.streamer.put(value)
+            return
+        tokens = value if value.dim() > 1 else value[:, None]  # (B, n)
+        is_marker = torch.isin(tokens, self.markers)
+        if tokens.shape[0] == 1:
+            kept = tokens[:, ~is_marker[0]]
+        else:
+            kept = tokens.masked_fill(is_marker, self.pad_token_id)[:, ~is_marker.all(dim=0)]
+        if kept.shape[1]:
+            self.streamer.put(kept if value.dim() > 1 else kept[:, 0])
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+class SegmentMarkerGeneration:
+    """`LSLMForCausalLM.generate`: transformers' `generate`, returning (and streaming) bytes without the
+    `<nxt>`/`<bos>` markers unless `return_segment_markers=True` (see `LSLMForCausalLM`)."""
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: Any = None,
+        *,
+        streamer: BaseStreamer | None = None,
+        return_segment_markers: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`GenerationMixin.generate`; `return_segment_markers` (default: the generation config's field of
+        that name, else False) returns the raw ids, markers included. An assistant's generate (inside
+        assisted decoding) always returns them: the main model verifies raw ids."""
+        settings = generation_config if generation_config is not None else self.generation_config
+        raw = getattr(settings, "is_assistant", False) or (
+            getattr(settings, "return_segment_markers", False)
+            if return_segment_markers is None
+            else return_segment_markers
+        )
+        if raw:
+            return super().generate(inputs, generation_config, streamer=streamer, **kwargs)
+        config = self.config
+        pad = kwargs.get("pad_token_id", getattr(settings, "pad_token_id", None))
+        pad = config.pad_token_id if pad is None else pad
+        markers = torch.tensor([config.segment_start_token_id, config.segment_end_token_id])
+        if streamer is not None:
+            streamer = SegmentMarkerFilter(streamer, markers, pad)
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        # With no prompt, generate starts every row from one `<BoS>`.
+        prompt_length = prompt.shape[-1] if prompt is not None else 1
+        output = super().generate(inputs, generation_config, streamer=streamer, **kwargs)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        clean = without_segment_markers(sequences, prompt_length, markers.to(sequences.device), pad)
+        if isinstance(output, torch.Tensor):
+            return clean
+        output.sequences = clean
+        return output

@@ -220,3 +220,72 @@ def slot_confidence(
     table[:, : sink + 1].scatter_(1, bos_slot, _previous(confidence, 1.0))
     # Drop the sink column (what belongs to no slot); the pending slots after it keep 1.
     return torch.cat([table[:, :sink], table[:, sink + 1 :]], dim=1)
+
+
+def segment_close_columns(view: ByteView, segmentation: Segmentation) -> torch.Tensor:
+    """(B, M) the input column whose cached step closes (and encodes) each segment: its last byte's when
+    the byte ends it (router, `<BoS>`, `<eos>`, a following document), the first marker after it when
+    only a marker does; T (no column) for a row's segment still open."""
+    batch, length = view.order.shape
+    index = segmentation.index
+    num_segments = int(index.max()) + 1 if index.numel() else 0
+    columns = torch.arange(length, device=index.device).expand(batch, -1)
+    is_marker = (view.input_documents > 0) & ~view.input_bytes
+    # The first marker strictly after each input column (T when none).
+    next_marker = torch.where(is_marker, columns, length).flip(1).cummin(dim=1).values.flip(1)
+    next_marker = F.pad(next_marker, (0, 1), value=length)[:, 1:]
+    by_marker = view.marker_ends & ~segmentation.content_ends
+    close = torch.where(by_marker, torch.gather(next_marker, 1, view.order), view.order)
+    closed = segmentation.ends & view.mask
+    result = index.new_full((batch, num_segments + 1), length)
+    sink = torch.where(closed, index, num_segments)  # bytes that close nothing write the dropped column
+    result.scatter_(1, sink, close.masked_fill(~closed, length))
+    return result[:, :num_segments]
+
+
+def token_aligned_attentions(
+    entries: tuple[torch.Tensor, ...],
+    counts: tuple[int, int, int],
+    view: ByteView,
+    segmentation: Segmentation,
+    slots: DecoderSlots,
+    column_slots: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """A parallel pass's attention weights, each stage in its own positions, -> one query row per input
+    column (B, ·, T, K), the rows a cached step of that column returns (zero where it has none):
+
+    - token encoder (`counts[0]` entries), (B, Ht, T, T): the column's byte over the bytes, both at their
+      input columns; zero at pads and markers;
+    - segment encoder (`counts[1]`), (B, H, T, M): the segment the column closes
+      (`segment_close_columns`) over the segments; zero where none closes;
+    - per decoder layer (`counts[2]` layers) self (B, Hd, T, W) over the slots of the reported slot's
+      segment by position (`<bos>` first, W the longest segment + 1), then cross (B, Hd, T, 1 + M), for
+      the slot each column reports (`column_slots`); zero at pads."""
+    batch, length = view.order.shape
+    real = view.input_documents > 0  # (B, T)
+    token, segment, _ = counts
+    aligned = []
+    for number, weights in enumerate(entries):
+        heads = weights.shape[1]
+        if number < token:
+            weights = weights * view.mask[:, None, :, None].to(weights.dtype)
+            rows = view.order[:, None, :, None].expand_as(weights)
+            weights = torch.zeros_like(weights).scatter_(2, rows, weights)
+            keys = view.order[:, None, None, :].expand_as(weights)
+            aligned.append(torch.zeros_like(weights).scatter_(3, keys, weights))
+        elif number < token + segment:
+            close = segment_close_columns(view, segmentation)  # (B, M)
+            width = weights.shape[-1]
+            placed = weights.new_zeros(batch, heads, length + 1, width)
+            placed.scatter_(2, close[:, None, :, None].expand(-1, heads, -1, width), weights)
+            aligned.append(placed[:, :, :length])
+        else:
+            rows = column_slots[:, None, :, None].expand(-1, heads, -1, weights.shape[-1])
+            weights = torch.gather(weights, 2, rows) * real[:, None, :, None].to(weights.dtype)
+            if (number - token - segment) % 2 == 0:
+                # Self-attention: keys by their position in the segment (what the decoder cache holds).
+                width = int(slots.position.max()) + 1 if slots.position.numel() else 1
+                keys = slots.position[:, None, None, :].expand_as(weights)
+                weights = weights.new_zeros(batch, heads, length, width).scatter_add_(3, keys, weights)
+            aligned.append(weights)
+    return tuple(aligned)

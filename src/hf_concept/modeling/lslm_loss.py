@@ -82,3 +82,24 @@ def label_targets(layout: LSLMPass, labels: torch.Tensor, end_id: int) -> torch.
     byte_target = (targets != -100) & (targets != end_id)
     targets = torch.where(governed & byte_target, slot_labels, targets)
     return targets.masked_fill(governed & (slot_labels == -100), -100)
+
+
+def labels_from_shift_labels(shift_labels: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' pre-shifted labels (B, T) (`shift_labels[:, c]` labels the token after column c, as
+    sequence-parallel trainers pass them) -> the causal-LM `labels` (B, T) they shift, -100 at column 0.
+
+    The last column's label would name a token after the input. LSLM has no target for it (whether that
+    token opens a segment is decided by bytes it has not seen), so only -100 is accepted there: a
+    sequence cut into shards (context or sequence parallelism) cannot be segmented shard by shard."""
+    if shift_labels.shape != input_ids.shape:
+        raise ValueError(
+            f"shift_labels of shape {tuple(shift_labels.shape)} do not match input_ids of shape "
+            f"{tuple(input_ids.shape)}: shift_labels[:, c] is the label of the token after column c"
+        )
+    if shift_labels.shape[1] and bool((shift_labels[:, -1] != -100).any()):
+        raise ValueError(
+            "shift_labels[:, -1] holds a label other than -100, a token after the input: LSLM segments "
+            "whole rows and cannot predict across a cut (context/sequence parallelism is not supported); "
+            "pass -100 there, or pass `labels` aligned with input_ids"
+        )
+    return F.pad(shift_labels[:, :-1], (1, 0), value=-100)

@@ -40,7 +40,8 @@ of its own segment up to itself and segments that closed before its segment bega
 on tokens <= t only.
 
 Attention weights (`output_attentions=True`, eager attention): token encoder, segment encoder, then each
-decoder layer's self- and cross-attention, shapes in `LSLMModelOutput`.
+decoder layer's self- and cross-attention, one query row per input column (what that column's cached
+step computes), shapes in `LSLMModelOutput`.
 
 Generation (`step`): a byte feeds the token encoder (one K/V column) and the router; when its segment
 closes (router, `<BoS>`/`<eos>`, or a marker), the open segment is pooled, run through the segment
@@ -74,7 +75,7 @@ from .layers import (
     recording_attentions,
 )
 from .loss_terms import prior_loss_terms, warn_loss_terms_dropped
-from .lslm_generation import SegmentCacheSteps
+from .lslm_generation import SegmentCacheSteps, SegmentMarkerGeneration, stack_step_attentions
 from .lslm_layers import BoundaryRouter, SegmentDecoderLayer, stage_config
 from .lslm_layout import (
     ByteView,
@@ -90,9 +91,10 @@ from .lslm_layout import (
     document_causal_mask,
     opening_probs,
     slot_confidence,
+    token_aligned_attentions,
     token_slots,
 )
-from .lslm_loss import boundary_metrics, label_targets, prior_loss_sum
+from .lslm_loss import boundary_metrics, label_targets, labels_from_shift_labels, prior_loss_sum
 from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
 from .pooling import chunk_index, pool_concepts
@@ -116,9 +118,8 @@ class LSLMCausalLMOutput(ModelOutput):
     probability that it opens one (`lslm_layout.opening_probs`: q of the byte before it, 1 where the
     opening is forced, 0 at markers and pads). `loss` is defined in `LSLMForCausalLM`.
 
-    `hidden_states` (with `output_hidden_states`, parallel pass only; None for cached steps) and
-    `attentions` (with `output_attentions`, parallel pass and one-column cached steps): as in
-    `LSLMModelOutput`."""
+    `hidden_states` (with `output_hidden_states`) and `attentions` (with `output_attentions`), of a parallel
+    pass and of cached calls alike: as in `LSLMModelOutput` (summed up in `LSLMForCausalLM`)."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -147,24 +148,27 @@ class LSLMModelOutput(BaseModelOutput):
     input of each token-encoder layer (the first is the byte embeddings) and then the encoder's normed
     output (what the router and the pooling read), each at the input column of its byte; columns that
     hold no byte (pads, `<bos>`/`<nxt>` markers) are zero, since the token encoder never reads them.
+    They are the tensors the computation goes on from (a loss on the logits reaches them). A cached call
+    of Q columns returns the same count of (B, Q, Dt) tensors, the full forward's rows at its columns.
     `boundaries` (B, T) bool: True where an input token opens a segment; `boundary_probs` (B, T) float32:
     the probability that it opens one (as `LSLMCausalLMOutput.boundary_probs`).
 
     `attentions` (with `output_attentions=True` under eager attention; an empty tuple under sdpa): one
-    entry per attention module in the order they run (`LSLMModel.attention_modules`), each stage in its
-    own positions:
-    - each token-encoder layer, (B, Ht, T, T') over the token encoder's columns: in a parallel pass the
-      byte view (`ByteView`: each row's bytes in order at its right end, pads and markers moved left, so
-      equal to the input columns when the input holds no markers), T' = T; in a cached step the new
-      column over the token cache (the prefill's byte view, then one column per step; a marker's column
-      is a hole no one attends to);
-    - each segment-encoder layer, (B, H, M, M') over segments (M' the stored ones with a cache); in a
-      cached step (B, H, 1, M') for the segment the step closes, None when no row closes one (the rows
-      that close none are unused);
-    - per decoder layer its self-attention, (B, Hd, S, S') over the decoder's slots (`DecoderSlots`; in a
-      cached step the new slot over the open segment's stored slots), then its cross-attention,
-      (B, Hd, S, 1 + M'): the null segment, then the segments.
-    Rows of pads and of empty slots are meaningless.
+    entry per attention module in the order they run (`LSLMModel.attention_modules`), never None, each
+    token-aligned: one query row per input column, the row that column's cached step computes, zero
+    where that step has none (`lslm_layout.token_aligned_attentions`):
+    - each token-encoder layer (byte level), (B, Ht, T, T'): the column's byte over the bytes, keys at
+      their input columns (in a cached step: the token cache's columns, the prefill's bytes then one
+      per step); zero rows at pads and markers;
+    - each segment-encoder layer (segment level), (B, H, T, M'): the segment the column closes (its last
+      byte's column, or the marker's that closes it) over the segments (M' the stored ones with a
+      cache); zero rows where no segment closes;
+    - per decoder layer (decoder level) its self-attention, (B, Hd, T, W): the slot whose logits the
+      column reports over the slots of its segment by position (`<bos>` first; W the longest segment
+      + 1), then its cross-attention, (B, Hd, T, 1 + M'): the null segment, then the segments; zero rows
+      at pads.
+    A cached call of Q columns (assisted decoding's verification) has Q rows, each column's own step,
+    keys zero-padded on the right to the widest.
     """
 
     boundaries: torch.Tensor | None = None
@@ -346,24 +350,38 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         if cache is not None:
             self.fill_cache(cache, view, token_states, segmentation, segments)
             cache.items = length
-        hidden_states = None
-        if layer_states is not None:
-            hidden_states = tuple(at_input_columns(states, view) for states in layer_states)
+        hidden_states = None if layer_states is None else tuple(layer_states)
+        column_slots = token_slots(view, segmentation, slots)  # (B, T)
         return LSLMPass(
             mask=mask,
             view=view,
             segmentation=segmentation,
             slots=slots,
             slot_states=slot_states,
-            column_slots=token_slots(view, segmentation, slots),
+            column_slots=column_slots,
             boundaries=torch.zeros_like(mask).scatter_(1, view.order, segmentation.opens),
             boundary_probs=torch.zeros(mask.shape, device=mask.device).scatter_(
                 1, view.order, opening_probs(segmentation, view)
             ),
             hidden_states=hidden_states,
             cache=cache,
-            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
+            attentions=self.aligned_attentions(recorder, view, segmentation, slots, column_slots),
         )
+
+    def aligned_attentions(
+        self,
+        recorder: AttentionRecorder | None,
+        view: ByteView,
+        segmentation: Segmentation,
+        slots: DecoderSlots,
+        column_slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The pass's recorded weights, one query row per input column (`token_aligned_attentions`)."""
+        if recorder is None or not recorder.enabled:
+            return None if recorder is None else ()
+        counts = (len(self.token_layers), len(self.segment_layers), len(self.decoder_layers))
+        entries = recorder.entries(self.attention_modules())
+        return token_aligned_attentions(entries, counts, view, segmentation, slots, column_slots)
 
     def attention_modules(self) -> list[nn.Module]:
         """The module behind each entry of `attentions` (`LSLMModelOutput`): token-encoder and
@@ -380,18 +398,27 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         layer_states: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(B, T, Dt) causal token states of the view's bytes (packed documents kept apart); appends each
-        layer's input and the normed output to `layer_states` when given (`output_hidden_states`)."""
+        layer's input and the normed output, at the input columns, to `layer_states` when given
+        (`output_hidden_states`).
+
+        The appended tensors are the ones the computation goes on from (each is gathered back into the
+        view), so a loss reaches them. The gather zeroes the view's pad and marker columns, whose states
+        no byte reads (masked keys), so asking for them changes no output."""
+
+        def through_input_columns(states: torch.Tensor) -> torch.Tensor:
+            if layer_states is None:
+                return states
+            at_columns = at_input_columns(states, view)  # (B, T, Dt)
+            layer_states.append(at_columns)
+            return torch.gather(at_columns, 1, view.order[..., None].expand_as(states))
+
         states = self.embed_tokens(view.ids)
         mask = document_causal_mask(view.mask, view.documents)
         rope = self.token_rotary_emb(states, view.position_ids)
         for layer in self.token_layers:
-            if layer_states is not None:
-                layer_states.append(states)
+            states = through_input_columns(states)
             states, _ = layer(states, attention_mask=mask, position_embeddings=rope, past_key_values=cache)
-        states = self.token_norm(states)
-        if layer_states is not None:
-            layer_states.append(states)
-        return states
+        return through_input_columns(self.token_norm(states))
 
     def segment(self, view: ByteView, token_states: torch.Tensor) -> Segmentation:
         """Boundaries (see the module docstring) and each byte's segment."""
@@ -542,7 +569,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         return self.decoder_norm(states)
 
 
-class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
+class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMixin):
     """Byte-level LSLM: (B, T) ids (the `ByteTokenizer`'s) -> (B, T, V) logits of the next input token.
 
     `labels` (B, T) follow the causal-LM convention (shifted inside, -100 ignored; `label_targets` says
@@ -556,8 +583,33 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
     and DDP add up to the loss of the joint batch. The metrics `lm_loss` (cross-entropy per target),
     `kl_loss` (mean KL per free byte) and `bits_per_byte` are this batch's own, detached.
 
+    `shift_labels` (B, T) (transformers' pre-shifted labels: `shift_labels[:, c]` labels the token after
+    column c) replace `labels` when given: the same loss as the `labels` they shift. The last column must
+    hold -100 (a label past the input: rows cannot be cut for sequence parallelism).
+
     `use_cache` (default: the config's; never by default in training) makes the first call run the
     parallel pass and fill a `SegmentCache`; later calls advance it one input column at a time.
+
+    What the outputs hold (L: the call's input columns; levels: byte = the token encoder, segment =
+    the segment encoder, decoder = the decoder's slots; `LSLMModelOutput` has the details):
+
+    - `hidden_states`: token-encoder layers + 1 byte-level tensors (B, L, Dt): each token-encoder
+      layer's input (the first: the byte embeddings) and the encoder's normed output, at the input
+      columns, zero at pads and markers; the tensors the computation uses. Every call returns them, a
+      cached one for its new columns (the full forward's rows there).
+    - `attentions` (eager attention): token-encoder layers (byte level, (B, Ht, L, T')) +
+      segment-encoder layers (segment level, (B, H, L, M')) + 2 per decoder layer (decoder level: self
+      (B, Hd, L, W) and cross (B, Hd, L, 1 + M')), in run order, never None. Token-aligned: row t is
+      column t's byte, the segment it closes (zero when none) and the decoder slot whose logits it
+      reports, equal to what the cached step of column t returns.
+
+    `generate` returns and streams bytes. The `<nxt>`/`<bos>` markers the model writes go back into the
+    loop (they close segments, and a full recomputation reads them), then are taken out of the returned
+    sequences (each row's bytes moved left, right-padded with `pad_token_id`) and of what a streamer
+    receives; `max_new_tokens` counts steps, markers included. `return_segment_markers=True` (a
+    `generate` keyword or a generation-config field) returns the raw ids: what `model(sequences)`
+    recomputes exactly, and what per-step `scores`, `logits`, `attentions` and `hidden_states` align
+    with. An assistant model's candidates are always raw.
     """
 
     def __init__(self, config: LSLMConfig) -> None:
@@ -579,10 +631,14 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         output_attentions: bool | None = None,
+        shift_labels: torch.LongTensor | None = None,
         **kwargs: Any,
     ) -> LSLMCausalLMOutput | tuple:
         if inputs_embeds is not None:
             raise ValueError(INPUTS_EMBEDS_MESSAGE)
+        if shift_labels is not None:
+            # transformers' precedence: pre-shifted labels replace `labels`.
+            labels = labels_from_shift_labels(shift_labels, input_ids)
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels of shape {tuple(labels.shape)} do not match input_ids of shape "
@@ -599,11 +655,11 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
             # What `crop` needs to feed these columns again (family_cache).
             cache.record_call(self, input_ids, None, attention_mask, position_ids)
         recorder = attention_recorder(self.config, output_attentions)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         if cache is not None and cache.get_seq_length() > 0:
-            output = self.cached_steps(input_ids, attention_mask, cache, recorder)
+            output = self.cached_steps(input_ids, attention_mask, cache, recorder, output_hidden_states)
         else:
-            if output_hidden_states is None:
-                output_hidden_states = self.config.output_hidden_states
             layout = self.model.parallel_pass(
                 input_ids,
                 attention_mask,
@@ -623,23 +679,40 @@ class LSLMForCausalLM(LSLMPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None,
         cache: SegmentCache,
         recorder: AttentionRecorder | None,
+        output_hidden_states: bool = False,
     ) -> LSLMCausalLMOutput:
-        """Logits of the input columns advanced one at a time over a filled cache (no loss)."""
+        """Logits of the input columns advanced one at a time over a filled cache (no loss), with the
+        columns' hidden states and attentions (`LSLMModelOutput`) when asked for."""
         mask = token_mask(attention_mask, tuple(input_ids.shape), input_ids.device)
-        if recorder is not None and recorder.enabled and mask.shape[1] > 1:
-            raise ValueError(
-                "output_attentions with a filled SegmentCache needs one input column per call (as generate "
-                f"passes), got {mask.shape[1]}: each column's step attends over different keys"
-            )
-        with recording_attentions(self.model, recorder):
-            steps = [
-                self.model.step(input_ids[:, column], mask[:, column], cache)
-                for column in range(mask.shape[1])
-            ]
+        recording = recorder is not None and recorder.enabled
+        modules = self.model.attention_modules()
+        states, step_attentions, step_hidden = [], [], []
+        for column in range(mask.shape[1]):
+            # One recorder per column: each column's step attends over its own keys.
+            column_recorder = AttentionRecorder() if recording else None
+            layer_states = [] if output_hidden_states else None
+            closed_before = cache.segment_store.lengths
+            with recording_attentions(self.model, column_recorder):
+                states.append(self.model.step(input_ids[:, column], mask[:, column], cache, layer_states))
+            if recording:
+                closes = cache.segment_store.lengths > closed_before
+                entries = column_recorder.entries(modules)
+                step_attentions.append(
+                    self.model.step_rows(entries, input_ids[:, column], mask[:, column], closes)
+                )
+            if output_hidden_states:
+                step_hidden.append(layer_states)
+        attentions = None
+        if recorder is not None:
+            attentions = stack_step_attentions(step_attentions) if recording else ()
+        hidden_states = None
+        if output_hidden_states:
+            hidden_states = tuple(torch.stack(layer, dim=1) for layer in zip(*step_hidden, strict=True))
         return LSLMCausalLMOutput(
-            logits=self.lm_head(torch.stack(steps, dim=1)),
+            logits=self.lm_head(torch.stack(states, dim=1)),
             past_key_values=cache,
-            attentions=None if recorder is None else recorder.entries(self.model.attention_modules()),
+            attentions=attentions,
+            hidden_states=hidden_states,
         )
 
     def heads(

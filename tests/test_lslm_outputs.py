@@ -1,0 +1,280 @@
+"""What LSLM returns beside its logits (issue 26, points 10 and 12): hidden states on every cached step,
+attentions of several cached columns at once (assisted decoding and prompt lookup verify that way),
+hidden states inside the autograd graph, `shift_labels` honoured, and `generate` / a streamer giving
+clean bytes with the `<nxt>`/`<bos>` markers behind `return_segment_markers=True`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+from transformers.generation.streamers import BaseStreamer
+
+from tests.test_lslm_generation import random_row
+from tests.test_lslm_hf_contracts import marked_batch
+from tests.test_lslm_model import TOKENIZER, lslm
+
+NXT, BOS_MARKER, PAD = 4, 3, 0
+MARKERS = (NXT, BOS_MARKER)
+
+
+def generating_lslm(seed: int = 0, **overrides):
+    """An eager LSLM that writes `<nxt>` often (its LM-head row scaled up), with no end of sequence."""
+    model = lslm(seed=seed, attn="eager", **overrides)
+    with torch.no_grad():
+        model.lm_head.weight[NXT] *= 3
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def prompt_ids(*texts: str) -> dict[str, torch.Tensor]:
+    return TOKENIZER.encode_prompt(list(texts), return_tensors="pt")
+
+
+def without_markers(row: torch.Tensor) -> torch.Tensor:
+    return row[(row != NXT) & (row != BOS_MARKER)]
+
+
+# Point 10: several cached columns with attentions; assisted decoding and prompt lookup with them.
+
+
+def test_several_cached_columns_give_each_columns_own_attention_row():
+    """A 3-column call over a filled cache returns, per attention module, the rows the three one-column
+    calls return (keys zero-padded to the widest), and the same logits."""
+    model = generating_lslm()
+    input_ids = random_row(torch.Generator().manual_seed(2), 20, marker_share=0.25)
+    with torch.no_grad():
+        prompt = model(input_ids[:, :14], use_cache=True).past_key_values
+        together = model(input_ids[:, 14:17], past_key_values=prompt, output_attentions=True)
+        stepped = model(input_ids[:, :14], use_cache=True).past_key_values
+        singles = [
+            model(input_ids[:, column : column + 1], past_key_values=stepped, output_attentions=True)
+            for column in range(14, 17)
+        ]
+    assert_close(together.logits, torch.cat([single.logits for single in singles], 1), atol=1e-6, rtol=0)
+    assert len(together.attentions) == len(model.model.attention_modules())
+    for index, weights in enumerate(together.attentions):
+        assert weights.shape[-2] == 3
+        for row, single in enumerate(singles):
+            one = single.attentions[index]
+            assert one is not None and one.shape[-2] == 1
+            assert_close(weights[..., row : row + 1, : one.shape[-1]], one, atol=1e-6, rtol=0)
+            assert (weights[..., row, one.shape[-1] :] == 0).all()
+
+
+def assert_same_rows(ours: torch.Tensor, theirs: torch.Tensor, where: str) -> None:
+    """Equal over the common keys, zero beyond them (a wider tensor holds keys stored later)."""
+    assert ours.shape[:-1] == theirs.shape[:-1], where
+    width = min(ours.shape[-1], theirs.shape[-1])
+    assert_close(ours[..., :width], theirs[..., :width], atol=1e-5, rtol=0, msg=where)
+    assert not ours[..., width:].any() and not theirs[..., width:].any(), where
+
+
+def test_full_forward_attentions_are_the_cached_steps_rows():
+    """One query row per input column at every level: a full forward's row t is what the cached step of
+    column t returns (markers in the continuation close segments there)."""
+    model = generating_lslm()
+    input_ids = random_row(torch.Generator().manual_seed(6), 24, marker_share=0.25)
+    input_ids[:, 1:8] = torch.arange(70, 77)  # a prefill without markers
+    with torch.no_grad():
+        full = model(input_ids, output_attentions=True).attentions
+        cache = model(input_ids[:, :8], use_cache=True).past_key_values
+        steps = [
+            model(input_ids[:, column : column + 1], past_key_values=cache, output_attentions=True).attentions
+            for column in range(8, 24)
+        ]
+    assert all(weights.shape[-2] == 24 for weights in full)
+    closing = full[len(model.model.token_layers)].sum(-1)[0, 0] > 0.5
+    assert int(closing[8:].sum()) >= 2, "the test needs segments closed in the continuation"
+    for offset, step in enumerate(steps):
+        for index, (ours, theirs) in enumerate(zip(step, full, strict=True)):
+            column = 8 + offset
+            assert_same_rows(ours, theirs[..., column : column + 1, :], f"column {column}, entry {index}")
+
+
+@pytest.mark.parametrize("helper", ["assistant_model", "prompt_lookup_num_tokens"])
+def test_assisted_decoding_with_attentions_and_hidden_states_equals_greedy(helper):
+    model = generating_lslm()
+    # A repetitive prompt gives prompt lookup matches; an identical assistant is always accepted.
+    inputs = prompt_ids("abcabcabcabcabc")
+    settings = dict(max_new_tokens=16, do_sample=False)
+    greedy = model.generate(**inputs, **settings)
+    extra = {"assistant_model": generating_lslm()} if helper == "assistant_model" else {helper: 3}
+    assisted = model.generate(
+        **inputs,
+        **settings,
+        **extra,
+        output_attentions=True,
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(assisted.sequences, greedy)
+    entries, layers = len(model.model.attention_modules()), model.config.token_encoder_layers + 1
+    assert len(assisted.attentions) == len(assisted.hidden_states) >= 2
+    for step in assisted.attentions:
+        assert len(step) == entries and all(isinstance(weights, torch.Tensor) for weights in step)
+    prompt_length = inputs["input_ids"].shape[1]
+    first, *steps = assisted.hidden_states
+    assert [states.shape[1] for states in first] == [prompt_length] * layers
+    for step in steps:
+        assert len(step) == layers
+        assert all(states.shape == (1, 1, model.config.token_hidden_size) for states in step)
+
+
+# Point 12a: hidden states on cached steps.
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_cached_steps_return_the_full_forwards_hidden_states(chunk):
+    """Left-padded rows with markers, prefilled then fed `chunk` columns at a time: every call's hidden
+    states equal the full forward's at its columns (zero at markers and pads)."""
+    model = lslm(token_encoder_layers=2)
+    batch = marked_batch()
+    input_ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        full = model(**batch, output_hidden_states=True).hidden_states
+        out = model(input_ids[:, :10], attention_mask=mask[:, :10], use_cache=True, output_hidden_states=True)
+        pieces = [out.hidden_states]
+        for start in range(10, input_ids.shape[1], chunk):
+            stop = min(start + chunk, input_ids.shape[1])
+            step = model(
+                input_ids[:, start:stop],
+                attention_mask=mask[:, :stop],
+                past_key_values=out.past_key_values,
+                output_hidden_states=True,
+            )
+            assert len(step.hidden_states) == model.config.token_encoder_layers + 1
+            pieces.append(step.hidden_states)
+    for layer, expected in enumerate(full):
+        assert_close(torch.cat([piece[layer] for piece in pieces], 1), expected, atol=1e-5, rtol=0)
+
+
+def test_generate_returns_hidden_states_on_every_step():
+    model = generating_lslm()
+    inputs = prompt_ids("hidden", "states!")
+    out = model.generate(
+        **inputs, max_new_tokens=6, do_sample=False, output_hidden_states=True, return_dict_in_generate=True
+    )
+    assert len(out.hidden_states) == 6
+    width, layers = model.config.token_hidden_size, model.config.token_encoder_layers + 1
+    for index, step in enumerate(out.hidden_states):
+        assert len(step) == layers
+        columns = inputs["input_ids"].shape[1] if index == 0 else 1
+        assert all(states.shape == (2, columns, width) for states in step)
+
+
+# Point 12b: shift_labels.
+
+
+def test_shift_labels_give_the_loss_of_the_labels_they_shift():
+    model = lslm()
+    batch = marked_batch()
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[0, 5:9] = -100
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+    with torch.no_grad():
+        expected = model(**batch, labels=labels).loss
+        shifted = model(**batch, shift_labels=shift_labels).loss
+        # transformers' precedence: shift_labels win over labels.
+        both = model(**batch, labels=batch["input_ids"], shift_labels=shift_labels).loss
+        unmasked = model(**batch, labels=batch["input_ids"]).loss
+    assert_close(shifted, expected, atol=0, rtol=0)
+    assert_close(both, expected, atol=0, rtol=0)
+    assert not torch.isclose(unmasked, expected)
+
+
+def test_shift_labels_past_the_input_are_refused():
+    model = lslm()
+    batch = marked_batch()
+    shift_labels = F.pad(batch["input_ids"][:, 1:], (0, 1), value=7)
+    with pytest.raises(ValueError, match=r"shift_labels\[:, -1\]"):
+        model(**batch, shift_labels=shift_labels)
+    with pytest.raises(ValueError, match="shift_labels of shape"):
+        model(**batch, shift_labels=shift_labels[:, 1:])
+
+
+# Point 12c: the returned hidden states are the ones the computation uses.
+
+
+def test_hidden_states_carry_the_gradient_of_the_loss():
+    model = lslm(token_encoder_layers=2).train()
+    batch = marked_batch()
+    out = model(**batch, labels=batch["input_ids"], output_hidden_states=True)
+    for states in out.hidden_states:
+        states.retain_grad()
+    out.loss.backward()
+    is_byte = (
+        (batch["attention_mask"] == 1) & (batch["input_ids"] != NXT) & (batch["input_ids"] != BOS_MARKER)
+    )
+    for states in out.hidden_states:
+        assert states.grad is not None
+        assert (states.grad[is_byte].abs().sum(-1) > 0).float().mean() > 0.5
+
+
+def test_asking_for_hidden_states_changes_no_output():
+    model = lslm(token_encoder_layers=2)
+    batch = marked_batch()
+    with torch.no_grad():
+        plain = model(**batch, labels=batch["input_ids"])
+        asked = model(**batch, labels=batch["input_ids"], output_hidden_states=True)
+    assert torch.equal(plain.logits, asked.logits) and torch.equal(plain.loss, asked.loss)
+
+
+# Point 12d: clean bytes out of generate and a streamer; the raw ids behind a flag.
+
+
+class Collector(BaseStreamer):
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.flatten().tolist())
+
+    def end(self) -> None:
+        self.puts.append([])
+
+
+def test_generate_returns_clean_bytes_and_raw_ids_behind_a_flag():
+    model = generating_lslm()
+    inputs = prompt_ids("clean output")
+    settings = dict(max_new_tokens=24, do_sample=False)
+    streamer = Collector()
+    clean = model.generate(**inputs, **settings, streamer=streamer)
+    raw = model.generate(**inputs, **settings, return_segment_markers=True)
+    prompt_length = inputs["input_ids"].shape[1]
+    assert (raw[0, prompt_length:] == NXT).sum() >= 2, "the test needs generated markers"
+    assert torch.equal(clean[0, :prompt_length], raw[0, :prompt_length])
+    assert torch.equal(clean[0, prompt_length:], without_markers(raw[0, prompt_length:]))
+    # The streamer saw the prompt, then only bytes; then the end.
+    assert streamer.puts[0] == inputs["input_ids"][0].tolist() and streamer.puts[-1] == []
+    streamed = [token for put in streamer.puts[1:] for token in put]
+    assert streamed == clean[0, prompt_length:].tolist()
+    text = TOKENIZER.decode(clean[0, prompt_length:])
+    assert "<nxt>" not in text and "<bos>" not in text
+    assert text == TOKENIZER.decode(raw[0, prompt_length:], skip_special_tokens=True)
+    # The raw ids are what a full recomputation of the cached generation reads.
+    assert torch.equal(
+        raw, model.generate(**inputs, **settings, use_cache=False, return_segment_markers=True)
+    )
+    # The generation config carries the flag too.
+    model.generation_config.return_segment_markers = True
+    as_dict = model.generate(**inputs, **settings, return_dict_in_generate=True)
+    assert torch.equal(as_dict.sequences, raw)
+
+
+def test_clean_batched_generation_equals_rows_alone():
+    model = generating_lslm()
+    texts = ("a row", "another, longer row")
+    settings = dict(max_new_tokens=20, do_sample=False)
+    batch = prompt_ids(*texts)
+    together = model.generate(**batch, **settings, return_dict_in_generate=True).sequences
+    width = batch["input_ids"].shape[1]
+    for index, text in enumerate(texts):
+        alone = prompt_ids(text)
+        row = model.generate(**alone, **settings)[0, alone["input_ids"].shape[1] :]
+        new = together[index, width:]
+        assert not any(token in MARKERS for token in new.tolist())
+        # Rows shortened by their markers are right-padded.
+        assert torch.equal(new[: len(row)], row) and (new[len(row) :] == PAD).all()
