@@ -195,16 +195,26 @@ def test_lslm_returns_token_segment_and_decoder_maps(name):
         # Without markers the byte view is the input columns.
         assert weights.shape == (2, config.token_num_attention_heads, 9, 9)
         check_causal_over_tokens(weights, attention_mask)
+    # Token-aligned: row t holds the segment column t closes (zeros where none), and the decoder slot
+    # whose logits column t reports.
     num_segments = segment[0].shape[-1]
     for weights in segment:
-        assert weights.shape == (2, config.num_attention_heads, num_segments, num_segments)
-        check_causal_over_slots(weights)
-    num_slots = decoder[0].shape[-1]
+        assert weights.shape == (2, config.num_attention_heads, 9, num_segments)
+        check_rows(weights)
+        for row in range(2):
+            closing = weights[row, 0].sum(dim=-1) > 0.5  # (L,)
+            # The row's segments in closing order, each over itself and the ones before.
+            own = int(closing.sum())
+            check_causal_over_slots(weights[row][:, closing][..., :own])
+            assert not weights[row][:, closing][..., own:].any()
+    real = attention_mask[:, None].bool()
     for self_weights, cross_weights in zip(decoder[::2], decoder[1::2], strict=True):
-        assert self_weights.shape == (2, config.decoder_num_attention_heads, num_slots, num_slots)
-        check_causal_over_slots(self_weights)
-        assert cross_weights.shape == (2, config.decoder_num_attention_heads, num_slots, 1 + num_segments)
-        check_rows(cross_weights, torch.ones(1, 1, 1, dtype=torch.bool))
+        # Self-attention keys: the slots of the reported slot's segment by position, `<bos>` first.
+        assert self_weights.shape[:3] == (2, config.decoder_num_attention_heads, 9)
+        check_rows(self_weights, real)
+        assert torch.all(self_weights[:, :, 3:, 0] > 0), "every real column reads its segment's <bos>"
+        assert cross_weights.shape == (2, config.decoder_num_attention_heads, 9, 1 + num_segments)
+        check_rows(cross_weights, real)
 
 
 def test_base_models_return_the_same_attentions(spec):
@@ -274,11 +284,15 @@ def test_lslm_cross_weights_reproduce_the_cross_attention():
                 ).attentions
             ),
         )
+        # The weights are token-aligned: row t is the slot whose logits column t reports.
+        column_slots = model.model.parallel_pass(input_ids, attention_mask).column_slots
+    real = attention_mask.bool()
     for (module, args, output), weights in zip(calls, attentions[-3::2], strict=True):
-        slot_states, _, values, _ = args
-        batch, slots, _ = slot_states.shape
-        attended = torch.matmul(weights, values).transpose(1, 2).reshape(batch, slots, -1)
-        assert_close(module.o_proj(attended), output, atol=ATOL, rtol=0)
+        _, _, values, _ = args
+        batch, length = column_slots.shape
+        attended = torch.matmul(weights, values).transpose(1, 2).reshape(batch, length, -1)
+        reported = torch.gather(output, 1, column_slots[..., None].expand(-1, -1, output.shape[-1]))
+        assert_close(module.o_proj(attended)[real], reported[real], atol=ATOL, rtol=0)
 
 
 # Generation, cached steps, and what is returned when nothing is asked.
@@ -353,19 +367,24 @@ def test_tuple_output_carries_the_attentions():
     assert as_tuple[-1] is not None and len(as_tuple[-1]) == len(as_dict.attentions)
 
 
-def test_lslm_refuses_weights_of_several_cached_columns_at_once():
+def test_lslm_several_cached_columns_return_one_row_each():
+    """Assisted decoding verifies several columns in one cached call: each entry has one row per column
+    (tests/test_lslm_outputs.py compares them with one-column calls)."""
     spec = SPECS["lslm"]
     model = build(spec)
     input_ids, attention_mask = left_padded(spec)
     with torch.no_grad():
         prompt = model(input_ids[:, :-2], attention_mask=attention_mask[:, :-2], use_cache=True)
-        with pytest.raises(ValueError, match="one input column per call"):
-            model(
-                input_ids[:, -2:],
-                attention_mask=attention_mask,
-                past_key_values=prompt.past_key_values,
-                output_attentions=True,
-            )
+        attentions = model(
+            input_ids[:, -2:],
+            attention_mask=attention_mask,
+            past_key_values=prompt.past_key_values,
+            output_attentions=True,
+        ).attentions
+    assert len(attentions) == len(model.model.attention_modules())
+    for weights in attentions:
+        assert weights.shape[-2] == 2
+        check_rows(weights)
 
 
 # sdpa: what transformers' Llama does.
