@@ -84,7 +84,7 @@ def _write_html(root: Path, pages: list[str]) -> None:
             '<div class="sphinxsidebar"><p>Navigation sidebar</p></div>'
             f'<div class="body" role="main"><h1>{name} &mdash; a module<a class="headerlink">¶</a></h1>'
             f"<p>The {name} module does   one thing\nwell.</p><pre>x = {len(name)}\n  y</pre>"
-            f"<p>{BOILERPLATE}</p></div></body></html>",
+            f"<p>{BOILERPLATE}</p><p>{SHARED_VERSE}</p></div></body></html>",
             encoding="utf-8",
         )
     (folder / "genindex.html").write_text("<p>Index page, not text</p>")
@@ -136,7 +136,7 @@ def _write_descriptions(root: Path) -> None:
     (folder / "Translation-ja").write_text(
         "Package: 0ad\nDescription-md5: d9\nDescription-ja: 古代戦争のゲーム\n 自由なゲームです。\n .\n"
         " 二段落目です。\n\nPackage: 2048-qt\nDescription-md5: 0f\nDescription-ja: パズルゲーム\n"
-        " 自由なゲームです。\n",
+        " 自由なゲームです。\n .\n And it was so.\n",
         encoding="utf-8",
     )
 
@@ -159,6 +159,10 @@ def built(package_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     output = tmp_path_factory.mktemp("built") / "corpus"
     build_corpus(output, source_names=SOURCES, package_root=package_root, progress=False)
     return output
+
+
+def corpus_text(corpus, document: str) -> str:
+    return next(row["text"] for split in corpus.values() for row in split if row["document"] == document)
 
 
 def _lines(dataset) -> set[str]:
@@ -214,7 +218,9 @@ def test_repeated_lines_removed_and_no_leak_between_splits(built: Path) -> None:
     texts = [text for split in corpus.values() for text in split["text"]]
     all_lines = [normalise_line(line) for text in texts for line in text.splitlines() if line.strip()]
     assert len(all_lines) == len(set(all_lines))
+    # SHARED_VERSE is in the Bible, every HTML page and a description: kept once, in the Bible (first).
     assert all_lines.count(BOILERPLATE) == 1 and all_lines.count(SHARED_VERSE) == 1
+    assert SHARED_VERSE in corpus_text(corpus, "bible-kjv-text:Ge")
     assert all_lines.count("CHAPTER I") == 1 and all_lines.count("自由なゲームです。") == 1
     for other in ("validation", "held_out"):
         assert len(corpus[other]) > 0

@@ -54,14 +54,16 @@ def normalise_line(line: str) -> str:
     return " ".join(line.split())
 
 
-def remove_repeated_lines(documents: Iterable[Document], counts: dict) -> Iterator[Document]:
-    """Each document with every line seen before (anywhere in the set, whitespace-normalised) removed.
+def remove_repeated_lines(
+    documents: Iterable[Document], seen: set[bytes], counts: dict
+) -> Iterator[Document]:
+    """Each document with every line seen before (in `seen`, whitespace-normalised) removed.
 
-    Empty lines are kept as paragraph breaks (never two in a row); a document left with no text is dropped.
+    `seen` holds 16-byte digests of the lines kept so far (not the lines: the set stays a few hundred MB
+    at most); pass the same set for every source so that a line is kept once in the whole corpus. Empty
+    lines are kept as paragraph breaks (never two in a row); a document left with no text is dropped.
     `counts` gets "lines_kept" and "lines_removed".
     """
-    # 16-byte digests instead of the lines themselves: the set stays a few hundred MB at most.
-    seen: set[bytes] = set()
     counts.setdefault("lines_kept", 0)
     counts.setdefault("lines_removed", 0)
     for document in documents:
@@ -141,12 +143,14 @@ def _extract_split_save(
     sources: tuple[Source, ...], root: Path, versions: dict, staging: Path, progress: bool
 ) -> dict:
     counts: dict = {}
+    # One set for all sources: a line is kept at its first occurrence in the whole corpus.
+    seen: set[bytes] = set()
     per_source: dict[str, dict] = {}
     rows: dict[str, dict[str, list[str]]] = {name: {column: [] for column in COLUMNS} for name, _ in SPLITS}
     seen_ids: set[str] = set()
     for source in sources:
         record = per_source[source.name] = {"documents": 0, "bytes_extracted": 0, "bytes_kept": 0}
-        for document in remove_repeated_lines(_counted(source, root, progress, record), counts):
+        for document in remove_repeated_lines(_counted(source, root, progress, record), seen, counts):
             if document.document in seen_ids:
                 raise ValueError(f"document id {document.document!r} occurs twice in {source.name}")
             seen_ids.add(document.document)
