@@ -139,8 +139,8 @@ def test_fixed_chunking_has_no_aux_loss_and_realises_the_ratio():
     input_ids = ids(2, 12, seed=8)
     outputs = model(input_ids=input_ids, labels=input_ids, output_hidden_states=True)
     assert list(outputs.keys())[:2] == ["loss", "logits"]
-    # Embeddings, 2 encoder and 2 decoder layers (the last one normed).
-    assert len(outputs.hidden_states) == 5
+    # Embeddings, then one per layer (transformers' count): 2 encoder, 2 concept, 2 decoder (normed last).
+    assert len(outputs.hidden_states) == model.config.num_hidden_layers + 1 == 7
     assert float(outputs.aux_loss) == 0.0
     assert_close(outputs.compression_ratio, torch.tensor(3.0))
     assert_close(outputs.loss, outputs.lm_loss + 0.0, atol=1e-6, rtol=0)

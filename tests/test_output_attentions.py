@@ -135,8 +135,16 @@ def test_concept_families_return_encoder_concept_and_decoder_maps(name, override
     concept_heads = backbone.concept_layers[0].self_attn.num_heads
     num_concepts = concept[0].shape[-1]
     for weights in concept:
-        assert weights.shape == (2, concept_heads, num_concepts, num_concepts)
-        check_causal_over_slots(weights)
+        # Token-aligned: row t holds the weights of the concept token t emits, zeros where none.
+        assert weights.shape == (2, concept_heads, 9, num_concepts)
+        check_rows(weights)
+        for row in range(2):
+            emitting = weights[row, 0].sum(dim=-1) > 0.5  # (L,)
+            assert not weights[row][:, ~emitting].any()
+            # The row's concepts in emission order over the batch's slots, its padding slots unread.
+            own = int(emitting.sum())
+            check_causal_over_slots(weights[row][:, emitting][..., :own])
+            assert not weights[row][:, emitting][..., own:].any()
     # A looped layer's passes are distinct runs.
     assert len({id(weights) for weights in concept}) == passes
     if cross:
@@ -145,6 +153,25 @@ def test_concept_families_return_encoder_concept_and_decoder_maps(name, override
             assert weights.shape == (2, config.cross_num_attention_heads, 9, 1 + num_concepts)
             check_rows(weights, attention_mask[:, None].bool())
             assert torch.all(weights[1, :, :3] == 0)
+
+
+def interleaved(weights: torch.Tensor, streams: int) -> torch.Tensor:
+    """(B, H, S·L, S·T) in the interleaved order (token i's stream k at i·S + k) from Hidden Decoding's
+    token-aligned (B·S, H·S, L, T) map of a full or local layer."""
+    rows, heads, length, keys = weights.shape
+    grouped = weights.view(rows // streams, streams, heads // streams, streams, length, keys)
+    # (B, Sq, H, Sk, L, T) -> (B, H, L, Sq, T, Sk)
+    grouped = grouped.permute(0, 2, 4, 1, 5, 3)
+    return grouped.reshape(rows // streams, heads // streams, length * streams, keys * streams)
+
+
+def in_query_rows(model: torch.nn.Module, index: int, weights: torch.Tensor) -> torch.Tensor:
+    """Entry `index`'s weights with each query's whole distribution on one row: Hidden Decoding's full and
+    local layers put the key streams in the heads (`interleaved` undoes it); other entries as they are."""
+    layout = getattr(model.config, "stream_attention_layout", None)
+    if layout is None or layout[index] == "intra":
+        return weights
+    return interleaved(weights, model.config.num_streams)
 
 
 @pytest.mark.parametrize("name", ["hidden-decoding", "hidden-decoding-shared-moe"])
@@ -162,7 +189,9 @@ def test_hidden_decoding_returns_folded_intra_and_interleaved_maps(name):
             assert weights.shape == (2 * streams, heads, 9, 9)
             check_causal_over_tokens(weights, attention_mask.repeat_interleave(streams, dim=0))
         else:
-            assert weights.shape == (2, heads, 9 * streams, 9 * streams)
+            # Token-aligned: query streams folded into the batch, key streams into the heads.
+            assert weights.shape == (2 * streams, heads * streams, 9, 9)
+            weights = interleaved(weights, streams)
             window = config.sliding_window if kind == "local" else None
             check_causal_over_tokens(weights, attention_mask.repeat_interleave(streams, dim=1), window)
 
@@ -264,7 +293,7 @@ def test_dlcm_cross_weights_reproduce_the_cross_attention(form):
 
             calls, attentions = _captured_cross(model, run)
             for (module, args, output), weights in zip(calls, attentions[-3::2], strict=True):
-                token_states, _, concept_values, _ = args
+                token_states, _, concept_values, *_ = args
                 batch, length, _ = token_states.shape
                 values = _expand_heads(concept_values, module.num_heads)
                 attended = torch.matmul(weights, values).transpose(1, 2).reshape(batch, length, -1)
@@ -312,9 +341,9 @@ def test_generate_returns_attentions_per_step(spec):
     assert len(prefill) == entries and all(weights is not None for weights in prefill)
     for index, step in enumerate(steps):
         assert len(step) == entries
-        for weights in step:
+        for layer_index, weights in enumerate(step):
             if weights is not None:
-                check_rows(weights)
+                check_rows(in_query_rows(model, layer_index, weights))
         # The first layer is token-level in every registered family (Hidden Decoding's is intra): one
         # new query over the prompt and the tokens so far.
         assert step[0].shape[-2:] == (1, input_ids.shape[1] + index + 1)

@@ -17,6 +17,7 @@ tokens t − 1 and t only (the previous one from the cache for a continued row).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,9 +241,12 @@ class ConceptStackMixin:
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cache: ConceptCache | None,
+        after_pass: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(B, C, Dc) new concepts through the concept layers (loops unrolled by the schedule); `slots`
-        describe every concept slot the new ones may attend to (valid, documents, positions)."""
+        describe every concept slot the new ones may attend to (valid, documents, positions).
+        `after_pass` (output_hidden_states) sees each pass's output and returns the states to go on with
+        (equal values: `concept_views.ConceptPassViews`)."""
         masks = self.concept_masks(slots, concept_states.shape[1])
         for pass_idx, layer_idx in enumerate(self.concept_layer_schedule()):
             layer = self.concept_layers[layer_idx]
@@ -252,6 +256,8 @@ class ConceptStackMixin:
                 position_embeddings=position_embeddings,
                 past_key_values=None if cache is None else ConceptPassCache(cache, pass_idx),
             )
+            if after_pass is not None:
+                concept_states = after_pass(concept_states)
         return concept_states
 
     def concept_layer_schedule(self) -> list[int]:
@@ -276,18 +282,33 @@ class ConceptStackMixin:
 class ConceptModelOutput(ModelOutput):
     """Base-model output: final-normed token states plus what the losses and metrics need.
 
+    Every entry of `hidden_states` and `attentions` is token-level, its dim −2 the call's L tokens:
+    transformers splits a verification pass (assisted or prompt-lookup decoding) per token there. A
+    concept pass is shown at the token that emits each concept (`concept_views`: under "first" pooling the
+    opening token, under "sum"/"mean" the opening that closes the chunk), zeros at the other tokens, so a
+    cached step's rows equal a full forward's.
+
+    `hidden_states` (with `output_hidden_states=True`): 1 + encoder layers + concept passes + decoder
+    layers tensors (= num_hidden_layers + 1 without `concept_loop`): the (B, L, D) embeddings, each encoder
+    layer's (B, L, D) output, each concept pass's (B, L, Dc) token view, each decoder layer's (B, L, D)
+    output, the last one final-normed (`last_hidden_state`). The concept passes go on from their views
+    (equal values), so every entry lies on the path to the logits.
+
     `attentions` (with `output_attentions=True` under eager attention; an empty tuple under sdpa): one
-    entry per attention run, in the order they run (`ConceptStackMixin.attention_modules`), with S the
-    cached plus new tokens and N the concept slots the call's concepts may read (all cached slots with a
-    cache, else the C new ones):
+    entry per attention run, in the order they run (`ConceptStackMixin.attention_modules`), never None,
+    with S the cached plus new tokens and N the concept slots the call's concepts may read (all cached
+    slots with a cache, else the C new ones):
     - each encoder layer's self-attention, (B, H, L, S), as Llama's;
     - each concept pass (the concept layers in the order they run; ConceptMoE's `concept_loop` repeats
-      layers), (B, Hc, C, N): the call's new concepts over the slots. None in a call that emits no
-      concept (a decoding step inside a chunk); the rows of a sample that emits fewer than C are unused;
+      layers), (B, Hc, L, N): row t the weights of the concept token t emits over the slots, zeros where
+      it emits none (all zeros in a decoding step inside a chunk);
     - each decoder layer's self-attention, (B, H, L, S); in DLCM followed by its cross-attention,
       (B, Hx, L, 1 + N): the null concept, then per slot the weight the token gives it, summed over the
       positions that carry it (concept replication, DLCM §4.1), which both cross-attention forms compute.
     Rows of pads are meaningless (a pad token or an empty slot still attends somewhere, or gets zeros).
+    transformers' split of a verification pass cuts each token's last dim at its key count (p + 1 at
+    position p), which keeps every slot its row can use: a concept emitted at p has slot index <= p, and
+    the concepts DLCM's token p reads were closed by openings <= p, so 1 + their index <= p + 1.
     """
 
     last_hidden_state: torch.Tensor | None = None

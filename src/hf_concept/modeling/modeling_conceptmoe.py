@@ -59,6 +59,7 @@ from .concept_stack import (
     ConfigView,
     new_concept_cache,
 )
+from .concept_views import ConceptPassViews, concept_model_attentions, emission_index, slot_count
 from .configuration_conceptmoe import ConceptMoEConfig
 from .layers import (
     Attention,
@@ -146,6 +147,10 @@ class _Step:
     probs: torch.Tensor
     boundaries: torch.Tensor
     state: ConceptState
+    # (B, L) the new concept each token emits (-1: none) and, with output_hidden_states, each concept
+    # pass's (B, L, Dc) token view (`concept_views`).
+    emission: torch.Tensor
+    pass_states: list[torch.Tensor]
 
 
 class ConceptMoEPreTrainedModel(LegacyRouterKeysMixin, PreTrainedModel):
@@ -174,7 +179,14 @@ class ConceptMoEPreTrainedModel(LegacyRouterKeysMixin, PreTrainedModel):
 
 
 class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
-    """(B, L) ids -> (B, L, D) final-normed token states, through encoder, concepts and decoder."""
+    """(B, L) ids -> (B, L, D) final-normed token states, through encoder, concepts and decoder.
+
+    `hidden_states`: num_hidden_layers + 1 token-level tensors (one per concept pass under
+    `concept_loop`): the (B, L, D) embeddings, each encoder layer, each concept pass as a (B, L, Dc) view
+    (the concept each token emits, zeros elsewhere), each decoder layer (the last final-normed).
+    `attentions` (eager): encoder (B, H, L, S), concept passes (B, Hc, L, N) in the same token view,
+    decoder (B, H, L, S); never None. Details in `concept_stack.ConceptModelOutput`.
+    """
 
     family_name = "ConceptMoE"
 
@@ -238,14 +250,24 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         )
         inputs_embeds, cache, position_ids = step_in.inputs_embeds, step_in.cache, step_in.position_ids
         mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
+        keep_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
         all_states = [inputs_embeds]
         with recording_attentions(self, recorder):
             token_states = self._run_token_layers(
                 self.encoder_layers, inputs_embeds, masks, all_states, None, layer_kwargs
             )
             step = self.concept_step(
-                token_states, mask, starts, position_ids, self.state_of(cache, token_states), cache
+                token_states,
+                mask,
+                starts,
+                position_ids,
+                self.state_of(cache, token_states),
+                cache,
+                keep_states,
             )
+            all_states.extend(step.pass_states)
             if cache is not None:
                 cache.state = step.state
             factor = straight_through(step.probs, step.boundaries).unsqueeze(-1).to(token_states.dtype)
@@ -254,14 +276,13 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
                 self.decoder_layers, token_states, masks, all_states, step.token_concepts, layer_kwargs
             )
         all_states[-1] = self.norm(token_states)
-        keep_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        )
         output = ConceptModelOutput(
             last_hidden_state=all_states[-1],
             past_key_values=cache,
             hidden_states=tuple(all_states) if keep_states else None,
-            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
+            attentions=None
+            if recorder is None
+            else concept_model_attentions(self, recorder, step.emission, slot_count(cache), inputs_embeds),
             boundary_probs=step.probs,
             boundaries=step.boundaries,
             token_mask=mask,
@@ -298,24 +319,35 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         position_ids: torch.Tensor,
         state: ConceptState,
         cache: ConceptCache | None,
+        keep_states: bool = False,
     ) -> _Step:
-        """Boundaries, new concepts, concept model, EMA and each token's readable concept."""
+        """Boundaries, new concepts, concept model, EMA and each token's readable concept; with
+        `keep_states` also each concept pass's (B, L, Dc) token view (`concept_views`)."""
+        pooling = self.config.pooling
         probs, opens, keys = self.boundaries(token_states, mask, starts, position_ids, state)
         documents = state.document[:, None] + torch.cumsum(starts.long(), dim=1)  # (B, L)
         documents = documents.masked_fill(~mask, -1)
         emitted = emit_concepts(
-            token_states, probs, opens, mask, starts, position_ids, documents, self.config.pooling, state
+            token_states, probs, opens, mask, starts, position_ids, documents, pooling, state
         )
-        concepts = self.run_concept_model(emitted, cache)  # (B, C, D)
+        emission = emission_index(opens, mask, state.has_open, pooling)  # (B, L)
+        views = ConceptPassViews(emission) if keep_states else None
+        concepts = self.run_concept_model(emitted, cache, views)  # (B, C, D)
         # The dechunk EMA is DLCM's "ema" smoothing: one function continues both from the cached value.
         smoothed = probability_smoothing(
             concepts, emitted.probs, emitted.valid, state.last_ema, state.has_ema
         )
         token_concepts, new_state = self.read_concepts(smoothed, emitted, mask, opens, state, keys, documents)
-        return _Step(token_concepts, probs, opens, new_state)
+        passes = len(self.concept_layer_schedule())
+        concept_width = self.config.concept_width
+        pass_states = [] if views is None else views.states(passes, token_states, concept_width)
+        return _Step(token_concepts, probs, opens, new_state, emission, pass_states)
 
-    def run_concept_model(self, emitted: EmittedConcepts, cache: ConceptCache | None) -> torch.Tensor:
-        """(B, C, D) dechunk residual of the new concepts (ĉ or ĉ − c), with cached concept K/V."""
+    def run_concept_model(
+        self, emitted: EmittedConcepts, cache: ConceptCache | None, views: ConceptPassViews | None = None
+    ) -> torch.Tensor:
+        """(B, C, D) dechunk residual of the new concepts (ĉ or ĉ − c), with cached concept K/V; `views`
+        collects each pass's token view (output_hidden_states)."""
         pooled = emitted.states
         if pooled.shape[1] == 0:
             return pooled
@@ -325,7 +357,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
             slots = cache.concept_slots()
         concept_states = pooled if self.concept_in_proj is None else self.concept_in_proj(pooled)
         position_embeddings = self.rotary_emb(concept_states, emitted.positions)
-        concept_states = self.run_concept_layers(concept_states, position_embeddings, slots, cache)
+        concept_states = self.run_concept_layers(concept_states, position_embeddings, slots, cache, views)
         if self.concept_out_proj is not None:
             concept_states = self.concept_out_proj(concept_states)
         return concept_states - pooled if self.config.dechunk_residual == "delta" else concept_states

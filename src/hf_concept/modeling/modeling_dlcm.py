@@ -63,6 +63,7 @@ from .concept_stack import (
     TokenStep,
     new_concept_cache,
 )
+from .concept_views import ConceptPassViews, concept_model_attentions, emission_index, slot_count
 from .configuration_dlcm import DLCMConfig
 from .layers import (
     MLP,
@@ -100,9 +101,9 @@ class SmoothingLinear(nn.Linear):
 class ConceptReading:
     """How the tokens of one call read concepts: `index` (B, L) the slot each position carries (-1 for
     pads; 0 the null concept), `mask` / `starts` (B, L), for the counted form the (B, L, N) log(count)
-    `slot_bias` and the (B, L) `sees` (`replication.log_count_bias`, built once for every layer), and
-    the (B, L) straight-through confidence that multiplies each token's cross-attention output (None:
-    none; its value is exactly 1, only its gradient matters)."""
+    `slot_bias` and the (B, L) `sees` (`replication.log_count_bias`, built once for every layer). Only
+    tensors outside the autograd graph live here: gradient checkpointing sees the layer's positional
+    arguments only."""
 
     index: torch.Tensor
     mask: torch.Tensor
@@ -110,7 +111,6 @@ class ConceptReading:
     slot_bias: torch.Tensor | None = None
     sees: torch.Tensor | None = None
     plain_causal: bool = False
-    confidence: torch.Tensor | None = None
 
 
 class ConceptCrossAttention(nn.Module):
@@ -148,8 +148,10 @@ class ConceptCrossAttention(nn.Module):
         concept_keys: torch.Tensor,
         concept_values: torch.Tensor,
         reading: ConceptReading,
+        confidence: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B, L, D) token states, (B, Gx, N, Kx) slot keys/values -> (B, L, D)."""
+        """(B, L, D) token states, (B, Gx, N, Kx) slot keys/values -> (B, L, D); the output is multiplied by
+        the (B, L) straight-through `confidence` when given (value exactly 1, only its gradient matters)."""
         batch, length, _ = token_states.shape
         query = self.q_proj(token_states).view(batch, length, self.num_heads, self.head_dim)
         query = self.q_norm(query).transpose(1, 2)  # (B, Hx, L, Kx)
@@ -184,8 +186,8 @@ class ConceptCrossAttention(nn.Module):
         if self.attention_recorder is not None:
             self.attention_recorder.record(self, self.slot_weights(query, concept_keys, reading))
         attended = self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))  # (B, L, D)
-        if reading.confidence is not None:
-            attended = attended * reading.confidence.unsqueeze(-1).to(attended.dtype)
+        if confidence is not None:
+            attended = attended * confidence.unsqueeze(-1).to(attended.dtype)
         return attended
 
     def slot_weights(
@@ -222,16 +224,19 @@ class DLCMDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         concept_keys: torch.Tensor,
         concept_values: torch.Tensor,
+        confidence: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values=None,
         reading: ConceptReading | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        # The concept K/V are positional so that gradient checkpointing treats them as inputs.
+        # The concept K/V and the (B, L) straight-through confidence are positional so that gradient
+        # checkpointing treats them as inputs: reentrant checkpointing sees only positional tensors, and a
+        # graph tensor reaching the recompute another way is backpropagated once per layer (an error).
         def cross(states: torch.Tensor) -> torch.Tensor:
             normed = self.cross_attention_layernorm(states)
-            return self.cross_attn(normed, concept_keys, concept_values, reading)
+            return self.cross_attn(normed, concept_keys, concept_values, reading, confidence)
 
         return residual_body(
             self,
@@ -297,7 +302,15 @@ def mup_stage_of(parameter_name: str) -> str | None:
 
 
 class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
-    """(B, L) ids -> (B, L, D) final-normed token states through encoder, concepts and decoder."""
+    """(B, L) ids -> (B, L, D) final-normed token states through encoder, concepts and decoder.
+
+    `hidden_states`: num_hidden_layers + 1 token-level tensors: the (B, L, D) embeddings, each encoder
+    layer, each concept layer as a (B, L, Dc) view (the concept each token emits, i.e. closes, zeros
+    elsewhere; before the concept norm and smoothing), each decoder layer (the last final-normed).
+    `attentions` (eager): encoder (B, H, L, S), concept layers (B, Hc, L, N) in the same token view, then
+    per decoder layer its self-attention (B, H, L, S) and cross-attention (B, Hx, L, 1 + N); never None.
+    Details in `concept_stack.ConceptModelOutput`.
+    """
 
     family_name = "DLCM"
 
@@ -368,18 +381,22 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         step_in = self.begin_step(
             input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs
         )
-        all_states = [step_in.inputs_embeds]
-        with recording_attentions(self, recorder):
-            probs, opens = self.run_stages(step_in, all_states)
-        all_states[-1] = self.norm(all_states[-1])
         keep_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
+        all_states = [step_in.inputs_embeds]
+        with recording_attentions(self, recorder):
+            probs, opens, emission = self.run_stages(step_in, all_states, keep_states)
+        all_states[-1] = self.norm(all_states[-1])
+        attentions = None
+        if recorder is not None:
+            num_slots = slot_count(step_in.cache)
+            attentions = concept_model_attentions(self, recorder, emission, num_slots, step_in.inputs_embeds)
         output = ConceptModelOutput(
             last_hidden_state=all_states[-1],
             past_key_values=step_in.cache,
             hidden_states=tuple(all_states) if keep_states else None,
-            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
+            attentions=attentions,
             boundary_probs=probs,
             boundaries=opens,
             token_mask=step_in.mask,
@@ -388,11 +405,12 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         return output.to_tuple() if return_dict is False else output
 
     def run_stages(
-        self, step_in: TokenStep, all_states: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encoder, boundaries, concept model and decoder over one call; appends each token layer's output
-        to `all_states` (the last one before the final norm) and returns the (B, L) probabilities and
-        boundaries."""
+        self, step_in: TokenStep, all_states: list[torch.Tensor], keep_states: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Encoder, boundaries, concept model and decoder over one call; appends each layer's output to
+        `all_states` (the last one before the final norm; concept layers as (B, L, Dc) token views when
+        `keep_states`, `concept_views`) and returns the (B, L) probabilities, boundaries and the new
+        concept each token emits (-1: none)."""
         cache, position_ids = step_in.cache, step_in.position_ids
         mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
         token_states = step_in.inputs_embeds
@@ -407,14 +425,20 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             token_states, smoothing_probs, opens, mask, starts, position_ids, documents, "mean", state
         )
         slots_before = cache.num_concept_slots if cache is not None else 0
-        concepts, new_state = self.concept_model(emitted, state, cache)
+        emission = emission_index(opens, mask, state.has_open, "mean")  # (B, L)
+        views = ConceptPassViews(emission) if keep_states else None
+        concepts, new_state = self.concept_model(emitted, state, cache, views)
+        if views is not None:
+            all_states.extend(views.states(len(self.concept_layers), token_states, concepts.shape[-1]))
         at_last = last_real_picker(mask)
         reading, new_state = self.read_concepts(
             emitted, opens, mask, starts, slots_before, new_state, cache, at_last
         )
         new_state = self.remember_router(new_state, keys, documents, state, at_last)
+        # (B, L) or None; handed to each decoder layer positionally (see DLCMDecoderLayer.forward).
+        confidence = None
         if self.config.smoothing == "ema" and torch.is_grad_enabled():
-            reading.confidence = straight_through(smoothing_probs, opens)
+            confidence = straight_through(smoothing_probs, opens)
         if cache is not None:
             cache.state = new_state
         for index, layer in enumerate(self.decoder_layers):
@@ -423,17 +447,23 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
                 token_states,
                 concept_keys,
                 concept_values,
+                confidence,
                 attention_mask=masks[layer.attention_type],
                 reading=reading,
                 **layer_kwargs,
             )
             all_states.append(token_states)
-        return probs, opens
+        return probs, opens, emission
 
     def concept_model(
-        self, emitted: EmittedConcepts, state: ConceptState, cache: ConceptCache | None
+        self,
+        emitted: EmittedConcepts,
+        state: ConceptState,
+        cache: ConceptCache | None,
+        views: ConceptPassViews | None = None,
     ) -> tuple[torch.Tensor, ConceptState]:
-        """(B, C, Dc) smoothed new concepts (W_up, concept layers, norm, smoothing) and the state after."""
+        """(B, C, Dc) smoothed new concepts (W_up, concept layers, norm, smoothing) and the state after;
+        `views` collects each concept layer's token view (output_hidden_states)."""
         new_state = ConceptState(*emitted.state.tensors())
         pooled = emitted.states
         if pooled.shape[1] == 0:
@@ -444,7 +474,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             slots = cache.concept_slots()
         concept_states = self.concept_in_proj(pooled)  # (B, C, Dc)
         position_embeddings = self.concept_rotary_emb(concept_states, emitted.positions)
-        concept_states = self.run_concept_layers(concept_states, position_embeddings, slots, cache)
+        concept_states = self.run_concept_layers(concept_states, position_embeddings, slots, cache, views)
         concept_states = self.concept_norm(concept_states)
         return self.smooth(concept_states, emitted, state, new_state)
 

@@ -49,6 +49,7 @@ from .configuration_hidden_decoding import HiddenDecodingConfig
 from .forward_only_cache import adopt_cache
 from .layers import (
     Attention,
+    AttentionRecorder,
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
@@ -66,6 +67,7 @@ from .streams import (
     expand_attention_mask,
     expand_position_ids,
     interleave_streams,
+    token_aligned_weights,
 )
 
 # Model-internal states, per stream: (B, S, L, D) "stream-major". Intra layers see it as (B·S, L, D);
@@ -76,6 +78,14 @@ def fold_streams(stream_states: torch.Tensor) -> torch.Tensor:
     """(B, S, L, D) -> (B·S, L, D): each stream becomes a row of the batch (a view when contiguous)."""
     batch, streams, length, width = stream_states.shape
     return stream_states.reshape(batch * streams, length, width)
+
+
+def through_final_stream(stream_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, L, D) -> the same values rebuilt from its streams with the (B, L, D) final stream as a tensor of
+    its own, and that final stream: what the next layer reads is built from it, so autograd reaches the
+    layers through it (a plain slice would be a side branch the computation never reads)."""
+    final_states = stream_states[:, -1]
+    return torch.cat([stream_states[:, :-1], final_states[:, None]], dim=1), final_states
 
 
 def head_input_states(stream_states: torch.Tensor, supervision: str) -> torch.Tensor:
@@ -268,13 +278,22 @@ class HiddenDecodingModelOutput(MoeModelOutputWithPast):
     sum of its streams under "sum" supervision); `stream_states` (B, S, L, D) all streams, normed (only
     with `output_stream_states=True`).
 
+    `hidden_states` (`output_hidden_states=True`): num_hidden_layers + 1 tensors (B, L, D), token-level as
+    transformers' convention: each token's final stream (stream S − 1) entering layer 0, after each layer,
+    and last the normed head input (`last_hidden_state`). They are the tensors the next layer's input is
+    built from (`through_final_stream`), so gradients reach them; the other streams are in
+    `stream_states` (last layer) only.
+
     `attentions` (`output_attentions=True` under eager attention; an empty tuple under sdpa): one tensor
-    per layer, T the cached plus new tokens, the keys as the layer's cache returns them:
-    - "intra" layers, (B·S, H, L, T): streams folded into the batch, row b·S + k is stream k of sample b
-      (`.unflatten(0, (B, S))` separates them); each stream over its own stream's tokens (shared KV: the
-      final stream's keys of earlier tokens and its own key at the current one, `SharedKVAttention`);
-    - "full" and "local" layers, (B, H, S·L, S·T) over the interleaved sequence (token i's stream k at
-      i·S + k); a local layer's keys past its cached window are the ones its cache keeps.
+    per layer, T the cached plus new tokens (keys as the layer's cache returns them), every one with the
+    query tokens and key tokens as its last two dims (transformers splits a verification pass per token
+    there), query streams folded into the batch (row b·S + k is stream k of sample b,
+    `.unflatten(0, (B, S))` separates them):
+    - "intra" layers, (B·S, H, L, T): each stream over its own stream's tokens (shared KV: the final
+      stream's keys of earlier tokens and its own key at the current one, `SharedKVAttention`);
+    - "full" and "local" layers, (B·S, H·S, L, T): "head" h·S + j holds head h's weights on key stream j
+      (`streams.token_aligned_weights`; the interleaved order, token i's stream k at i·S + k, is what the
+      layer computes); a local layer's keys past its cached window are the ones its cache keeps.
     """
 
     stream_states: torch.Tensor | None = None
@@ -288,7 +307,13 @@ class HiddenDecodingCausalLMOutput(MoeCausalLMOutputWithPast):
 
 
 class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
-    """Backbone over n streams per token: (B, L) ids -> (B, L, D) final-stream states (normed)."""
+    """Backbone over n streams per token: (B, L) ids -> (B, L, D) final-stream states (normed).
+
+    `hidden_states`: num_hidden_layers + 1 tensors (B, L, D), each token's final stream entering the first
+    layer, after each layer, and last the normed head input; the tensors the computation goes on from.
+    `attentions` (eager): one per layer, token-aligned, intra (B·S, H, L, T), full/local (B·S, H·S, L, T).
+    Details in `HiddenDecodingModelOutput`.
+    """
 
     def __init__(self, config: HiddenDecodingConfig) -> None:
         super().__init__(config)
@@ -460,16 +485,17 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         final_only = not (output_stream_states or recording) and self.final_stream_suffices(keep_routers)
         with recording_attentions(self, recorder):
             stream_states, all_states, all_router_logits = self.run_layers(
-                stream_states, masks, positions, cache, final_only, **kwargs
+                stream_states, masks, positions, cache, final_only, keep_states, **kwargs
             )
         # (B, L, D)
         head_states = self.norm(head_input_states(stream_states, self.config.stream_supervision))
-        all_states[-1] = head_states
+        if keep_states:
+            all_states[-1] = head_states
         output = HiddenDecodingModelOutput(
             last_hidden_state=head_states,
             past_key_values=cache,
             hidden_states=tuple(all_states) if keep_states else None,
-            attentions=None if recorder is None else recorder.entries(self.attention_modules()),
+            attentions=None if recorder is None else self.attention_entries(recorder),
             router_logits=tuple(all_router_logits) if keep_routers and all_router_logits else None,
             stream_states=self.norm(stream_states) if output_stream_states else None,
         )
@@ -478,6 +504,15 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
     def attention_modules(self) -> list[nn.Module]:
         """The module behind each entry of `attentions`: every layer's stream attention, in order."""
         return [layer.self_attn for layer in self.layers]
+
+    def attention_entries(self, recorder: AttentionRecorder) -> tuple[torch.Tensor | None, ...]:
+        """Each layer's weights (`HiddenDecodingModelOutput`), the interleaved layers' token-aligned."""
+        layout, streams = self.config.stream_attention_layout, self.num_streams
+        # Empty when no weights were computed (sdpa): zip then yields nothing.
+        return tuple(
+            weights if kind == "intra" or weights is None else token_aligned_weights(weights, streams)
+            for kind, weights in zip(layout, recorder.entries(self.attention_modules()), strict=False)
+        )
 
     def final_stream_suffices(self, keep_routers: bool) -> bool:
         """Whether nothing reads the last layer's outputs on streams other than the final one: not the
@@ -497,12 +532,18 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         positions: StreamPositions,
         cache: StreamCache | None,
         final_only: bool = False,
+        keep_states: bool = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """(B, S, L, D) after every layer ((B, 1, L, D), the final stream, when `final_only`), the final
-        stream's (B, L, D) input of each layer, and each sparse layer's (N, E) router logits."""
+        stream's (B, L, D) input of each layer and the last layer's output, and each sparse layer's (N, E)
+        router logits. With `keep_states` the next layer reads the stream tensor rebuilt around the
+        returned final stream (`through_final_stream`), so the returned states lie in the graph."""
         streams = self.num_streams
-        all_states, all_router_logits = [stream_states[:, -1]], []
+        all_states, all_router_logits = [], []
+        if keep_states:
+            stream_states, final_states = through_final_stream(stream_states)
+            all_states.append(final_states)
         for index, layer in enumerate(self.layers):
             last = index == len(self.layers) - 1
             trimmed = (
@@ -532,7 +573,9 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
                 )
                 # A view; the next intra layer's fold copies it where needed.
                 stream_states = deinterleave_streams(output, streams)
-            all_states.append(stream_states[:, -1])
+            if keep_states:
+                stream_states, final_states = through_final_stream(stream_states)
+                all_states.append(final_states)
             if router_logits is not None:
                 all_router_logits.append(router_logits)
         return stream_states, all_states, all_router_logits

@@ -84,3 +84,21 @@ def select_final_stream(expanded_states: torch.Tensor, num_streams: int) -> torc
     """(B, L, D): the final-stream states (those that predict the next token) of the expanded sequence."""
     # (B, S, L, D) -> (B, L, D)
     return deinterleave_streams(expanded_states, num_streams)[:, -1]
+
+
+def token_aligned_weights(weights: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """(B·S, H·S, L, T) from an interleaved layer's (B, H, S·L, S·T') attention weights: row b·S + k is
+    query stream k of sample b (as the intra layers' folding), "head" h·S + j the key stream j, and the
+    last two dims run over query and key *tokens*, as every token-level map does (transformers splits a
+    verification pass per token by slicing them). A windowed cache that keeps S·T' keys not ending a
+    whole token's worth at the front gets zero weights there (those keys are out of every query's window).
+    """
+    _check_streams(num_streams)
+    batch, heads, queries, keys = weights.shape
+    front = -keys % num_streams
+    weights = torch.nn.functional.pad(weights, (front, 0))
+    length, key_tokens = queries // num_streams, (keys + front) // num_streams
+    # (B, H, L, Sq, T, Sk) -> (B, Sq, H, Sk, L, T)
+    grouped = weights.view(batch, heads, length, num_streams, key_tokens, num_streams)
+    grouped = grouped.permute(0, 3, 1, 5, 2, 4)
+    return grouped.reshape(batch * num_streams, heads * num_streams, length, key_tokens)
