@@ -213,3 +213,16 @@ def test_train_from_gguf_saves_a_plain_checkpoint(tiny_gguf, tmp_path, capsys):
     assert not torch.equal(model.model.norm.weight, reference.model.norm.weight), "nothing was trained"
     assert AutoTokenizer.from_pretrained(out)(PROMPT).input_ids == reference_tokenizer(PROMPT).input_ids
     assert str(tiny_gguf) in (out / "README.md").read_text()
+
+
+def test_truncated_gguf_is_named_in_one_line(tiny_gguf, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    dst = tmp_path / "dst"
+    status, err = _run(capsys, "convert", "hidden-decoding", truncated, dst, "--streams", "1")
+    line = err.strip().splitlines()[-1]
+    assert status == 2 and line.startswith("hf-concept convert hidden-decoding: error: src="), err
+    assert str(truncated) in line and "could not be loaded as GGUF" in line
+    assert not dst.exists() and not any((tmp_path / "tmp").iterdir())

@@ -49,7 +49,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 jobs, text, question = torch.load(sys.argv[1])
 results = {}
 for name, folder in jobs.items():
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # trust_remote_code here too: config.json's auto_map makes AutoTokenizer ask for it otherwise.
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True,

@@ -131,7 +131,8 @@ def write_gguf_as_safetensors(gguf_path: Path, folder: Path) -> None:
     except Exception as error:
         # The loader's failures range from ValueError (unsupported architecture) to struct and
         # numpy errors (a truncated file); each becomes one line naming the file.
-        raise ValueError(f"src={str(gguf_path)!r} could not be loaded as GGUF: {error}") from error
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ValueError(f"src={str(gguf_path)!r} could not be loaded as GGUF: {reason}") from error
     folder.mkdir(parents=True)
     _save_weights(model, folder)
     config = model.config
