@@ -21,12 +21,15 @@ from pathlib import Path
 
 import pytest
 
+import hf_concept
 from hf_concept import cli
 from tests.conformance.families import _conceptmoe_config
 from tests.test_train_command import make_workspace
-from tests.workers.lock_race_worker import GO_ENV
+from tests.workers.lock_race_worker import GO_ENV, LOAD_ENV
 
 REPO = Path(__file__).resolve().parents[1]
+# The workers import the same hf_concept as this process (and the tests package from this checkout).
+PYTHONPATH = os.pathsep.join([str(Path(hf_concept.__file__).resolve().parents[1]), str(REPO)])
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +128,13 @@ def test_a_holder_killed_with_sigkill_does_not_block_the_next_run(tmp_path):
 
 @pytest.mark.slow
 def test_two_runs_started_together_into_one_folder_one_trains_one_is_refused(workspace, tmp_path, capsys):
-    """Five rounds of two `train` processes released at the same moment into one absent folder."""
+    """Five rounds of two `train` processes released at the same moment into one absent folder (loading
+    the model takes a second in each, as a real checkpoint's does)."""
     from transformers import AutoModelForCausalLM
 
     for round_ in range(5):
         out, go = tmp_path / f"out-{round_}", tmp_path / f"go-{round_}"
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **{GO_ENV: str(go)})
+        env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **{GO_ENV: str(go), LOAD_ENV: "1"})
         command = [sys.executable, "-m", "tests.workers.lock_race_worker", *_argv(workspace, out)]
         workers = [
             subprocess.Popen(

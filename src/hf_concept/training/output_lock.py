@@ -38,6 +38,8 @@ from hf_concept.training.errors import (
 LOCK_NAME = ".hf-concept-train.lock"
 HOLDER_NAME = ".hf-concept-train.holder.json"
 LOCK_FILES = frozenset({LOCK_NAME, HOLDER_NAME})
+# Every name the lock uses starts so (the holder record is written under a temporary name first).
+LOCK_PREFIX = ".hf-concept-train."
 # How long a refused run waits for the holder to finish writing who it is (it does so right after locking).
 HOLDER_WAIT_S = 1.0
 
@@ -52,8 +54,8 @@ class OutputSession:
 
 
 def folder_entries(folder: Path) -> list[Path]:
-    """The entries of `folder` other than the lock files (what "not empty" means for an output folder)."""
-    return [entry for entry in folder.iterdir() if entry.name not in LOCK_FILES]
+    """The entries of `folder` other than the lock's files (what "not empty" means for an output folder)."""
+    return [entry for entry in folder.iterdir() if not entry.name.startswith(LOCK_PREFIX)]
 
 
 def holder_of(folder: str | Path) -> dict | None:
@@ -89,7 +91,7 @@ def _write_holder(folder: Path) -> None:
         "host": socket.gethostname(),
         "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
     }
-    partial = folder / f"{HOLDER_NAME}.{os.getpid()}.tmp"
+    partial = folder / f"{HOLDER_NAME}.tmp-{os.getpid()}"
     partial.write_text(json.dumps(record))
     # A refused run reads the holder file at any moment: it sees the whole record or none.
     os.replace(partial, folder / HOLDER_NAME)
