@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from tests.test_lslm_generation import random_row
@@ -135,9 +136,9 @@ def test_cached_steps_return_the_full_forwards_hidden_states(chunk):
     input_ids, mask = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
         full = model(**batch, output_hidden_states=True).hidden_states
-        out = model(input_ids[:, :10], attention_mask=mask[:, :10], use_cache=True, output_hidden_states=True)
+        out = model(input_ids[:, :14], attention_mask=mask[:, :14], use_cache=True, output_hidden_states=True)
         pieces = [out.hidden_states]
-        for start in range(10, input_ids.shape[1], chunk):
+        for start in range(14, input_ids.shape[1], chunk):
             stop = min(start + chunk, input_ids.shape[1])
             step = model(
                 input_ids[:, start:stop],
@@ -183,6 +184,16 @@ def test_shift_labels_give_the_loss_of_the_labels_they_shift():
     assert_close(shifted, expected, atol=0, rtol=0)
     assert_close(both, expected, atol=0, rtol=0)
     assert not torch.isclose(unmasked, expected)
+
+
+def test_trainer_still_finds_labels_as_its_only_label_column():
+    """Trainer takes every forward parameter named like a label for a required column: `shift_labels`
+    is a keyword argument, so evaluation with `labels` alone still computes the loss."""
+    from transformers.utils import find_labels
+
+    from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
+
+    assert find_labels(LSLMForCausalLM) == ["labels"]
 
 
 def test_shift_labels_past_the_input_are_refused():
@@ -236,10 +247,10 @@ class Collector(BaseStreamer):
         self.puts.append([])
 
 
-def test_generate_returns_clean_bytes_and_raw_ids_behind_a_flag():
+def test_generate_returns_clean_bytes_and_raw_ids_behind_a_flag(capsys):
     model = generating_lslm()
     inputs = prompt_ids("clean output")
-    settings = dict(max_new_tokens=24, do_sample=False)
+    settings = dict(max_new_tokens=16, do_sample=False)
     streamer = Collector()
     clean = model.generate(**inputs, **settings, streamer=streamer)
     raw = model.generate(**inputs, **settings, return_segment_markers=True)
@@ -254,6 +265,10 @@ def test_generate_returns_clean_bytes_and_raw_ids_behind_a_flag():
     text = TOKENIZER.decode(clean[0, prompt_length:])
     assert "<nxt>" not in text and "<bos>" not in text
     assert text == TOKENIZER.decode(raw[0, prompt_length:], skip_special_tokens=True)
+    # What transformers' TextStreamer prints (special tokens not skipped) is that text.
+    capsys.readouterr()
+    model.generate(**inputs, **settings, streamer=TextStreamer(TOKENIZER, skip_prompt=True))
+    assert capsys.readouterr().out == text + "\n"
     # The raw ids are what a full recomputation of the cached generation reads.
     assert torch.equal(
         raw, model.generate(**inputs, **settings, use_cache=False, return_segment_markers=True)
@@ -267,7 +282,7 @@ def test_generate_returns_clean_bytes_and_raw_ids_behind_a_flag():
 def test_clean_batched_generation_equals_rows_alone():
     model = generating_lslm()
     texts = ("a row", "another, longer row")
-    settings = dict(max_new_tokens=20, do_sample=False)
+    settings = dict(max_new_tokens=12, do_sample=False)
     batch = prompt_ids(*texts)
     together = model.generate(**batch, **settings, return_dict_in_generate=True).sequences
     width = batch["input_ids"].shape[1]

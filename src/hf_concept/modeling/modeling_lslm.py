@@ -631,11 +631,13 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
         return_dict: bool | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         output_attentions: bool | None = None,
-        shift_labels: torch.LongTensor | None = None,
         **kwargs: Any,
     ) -> LSLMCausalLMOutput | tuple:
         if inputs_embeds is not None:
             raise ValueError(INPUTS_EMBEDS_MESSAGE)
+        # A keyword argument, as in transformers' models: Trainer takes every forward parameter named
+        # "*label*" for a label column, and would then skip the loss of batches without it.
+        shift_labels = kwargs.get("shift_labels")
         if shift_labels is not None:
             # transformers' precedence: pre-shifted labels replace `labels`.
             labels = labels_from_shift_labels(shift_labels, input_ids)
