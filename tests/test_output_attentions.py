@@ -375,7 +375,12 @@ def test_not_asking_returns_none_and_the_same_logits(spec):
         asked = model(input_ids, attention_mask=attention_mask, output_attentions=True)
     assert unasked.attentions is None and declined.attentions is None
     assert torch.equal(unasked.logits, declined.logits)
-    assert torch.equal(unasked.logits, asked.logits)
+    if getattr(model.config, "num_experts", 0) and hasattr(model.config, "num_streams"):
+        # Recording runs Hidden Decoding's last layer for every stream (no final-stream shortcut): its
+        # experts then multiply other row counts, which may round differently (about 1e-8).
+        assert_close(asked.logits, unasked.logits, atol=1e-6, rtol=0)
+    else:
+        assert torch.equal(unasked.logits, asked.logits)
     assert all(getattr(module, "attention_recorder", None) is None for module in model.modules())
 
 
