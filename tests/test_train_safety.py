@@ -3,7 +3,8 @@
 - `--resume` into a folder that holds a saved model but no complete checkpoint is refused, not trained
   from step 0 over that model.
 - `--resume-from` a checkpoint of another config (ratio), family or size is refused naming the fields;
-  a full checkpoint under `--lora` is refused; a step target at or below the checkpoint's step is refused.
+  a full checkpoint under `--lora` is refused; a step target below the checkpoint's step is refused, and
+  one at it trains nothing and says so.
 - A checkpoint with NaN weights is named with its tensors (no blame on the learning rate); a garbage
   safetensors header and a truncated `optimizer.pt` are named by the completeness check.
 - A full disk while a checkpoint or the final model is written: one line, nothing half-written.
@@ -124,16 +125,21 @@ def test_a_full_checkpoint_under_lora_is_refused(workspace, finished, tmp_path, 
     assert status == 2 and "holds full-model weights, but --lora trains adapters" in line, line
 
 
-def test_a_step_target_at_or_below_the_checkpoint_is_refused(workspace, finished, tmp_path, capsys):
+def test_a_step_target_below_the_checkpoint_is_refused_and_at_it_trains_nothing(
+    workspace, finished, tmp_path, capsys
+):
     out = Path(shutil.copytree(finished, tmp_path / "out"))
     before = _digest(out / "model.safetensors")
-    for target in ("1", "2"):
-        status = _run(workspace, out, "--max-steps", target, "--save-steps", "2", "--resume")
-        line = _error_line(capsys.readouterr().err)
-        assert status == 2 and f"--max-steps {target} is not beyond the step of" in line, line
-        assert "checkpoint-2 (2)" in line and "above 2" in line, line
+    status = _run(workspace, out, "--max-steps", "1", "--save-steps", "2", "--resume")
+    line = _error_line(capsys.readouterr().err)
+    assert status == 2 and "--max-steps 1 is below the step of" in line and "checkpoint-2 (2)" in line, line
+    assert "--max-steps 2 to only save its model, or above 2" in line, line
     assert _digest(out / "model.safetensors") == before and _global_step(out) == 2
-    # A target beyond it trains exactly the steps up to it.
+    # At the checkpoint's step: nothing is trained (how a run killed while saving its model is finished).
+    assert _run(workspace, out, "--max-steps", "2", "--save-steps", "2", "--resume") == 0
+    assert "is already at step 2, nothing is left to train" in capsys.readouterr().err
+    assert _digest(out / "model.safetensors") == before and _global_step(out) == 2
+    # Beyond it: exactly the steps up to the target.
     assert _run(workspace, out, "--max-steps", "3", "--save-steps", "2", "--resume") == 0
     assert _global_step(out) == 3
 

@@ -135,8 +135,9 @@ def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
         "--max-steps",
         type=_max_steps,
         default=-1,
-        help="Total optimizer steps (overrides epochs; -1: use epochs). When resuming it counts from step 0, "
-        "so it must lie beyond the checkpoint's step: a target at or below it is refused (exit 2).",
+        help="Total optimizer steps (overrides epochs; -1: use epochs). When resuming it counts from step 0: "
+        "a target below the checkpoint's step is refused (exit 2); equal to it trains nothing and only saves "
+        "the checkpoint's model, saying so.",
     )
     parser.add_argument("--num-train-epochs", type=float, default=1.0)
     parser.add_argument("--per-device-train-batch-size", type=_positive_int, default=8)

@@ -77,7 +77,7 @@ from hf_concept.training.data import (
 from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.output import TrainResult, finish
 from hf_concept.training.output_lock import folder_entries, lock_output_dir
-from hf_concept.training.resume import check_resume, check_resume_target
+from hf_concept.training.resume import check_resume, check_resume_target, restore_without_training
 from hf_concept.training.trainer import ConceptTrainer
 
 logger = logging.getLogger("hf_concept.train")
@@ -496,8 +496,7 @@ def train(
     with lock_output_dir(output_dir, main_process=_is_main_rank()) as session:
         out = check_output_dir(session.path, overwrite_output_dir, resuming=resume or resume_from is not None)
         checkpoint = resolve_resume(out, resume, resume_from)
-        if checkpoint is not None:
-            check_resume_target(checkpoint, max_steps)
+        at_target = checkpoint is not None and check_resume_target(checkpoint, max_steps)
         model = load_model(model_or_path, seed)
         tokenizer = load_tokenizer(model, model_or_path, tokenizer)
         _check_vocabulary(model, tokenizer)
@@ -547,7 +546,10 @@ def train(
         _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=overwrite_output_dir)
         # From here on a failed run keeps what it wrote (checkpoints); before, a folder it made is removed.
         session.started = True
-        trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        if at_target:
+            restore_without_training(trainer, checkpoint)
+        else:
+            trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
         eval_metrics = trainer.evaluate() if eval_set is not None else {}
         details = {
             "data": [str(path) for path in ([data] if isinstance(data, (str, Path)) else data)],

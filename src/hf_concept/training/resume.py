@@ -5,8 +5,9 @@ into a ratio-4 run trains on silently), fails deep in `load_state_dict` or the o
 family, size or LoRA setting, and a step target at or below the checkpoint's step still runs one step.
 `check_resume` refuses each of these with one line naming the checkpoint and what differs:
 
-- the step target: `max_steps` must lie beyond the checkpoint's global step (`--max-steps -1`, training
-  for epochs, is left to Trainer);
+- the step target: `max_steps` below the checkpoint's global step is refused (Trainer would run one more
+  step past it); equal to it trains nothing (no step at all: `restore_without_training`) and only saves
+  the checkpoint's model, with a warning that says so (`--max-steps -1`, epochs, is left to Trainer);
 - full weights against a LoRA run, or a LoRA adapter against a full run;
 - the saved config (`config.json`, when the checkpoint has one): every field that changes the
   computation must be equal; `NOT_COMPUTATIONAL` lists those that do not (bookkeeping, output switches);
@@ -19,6 +20,7 @@ family, size or LoRA setting, and a step target at or below the checkpoint's ste
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ import torch
 
 from hf_concept.training.checkpoints import safetensors_header, weight_files
 from hf_concept.training.errors import TrainSetupError
+
+logger = logging.getLogger("hf_concept.train")
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Config fields that record where a model came from or what it returns, not what it computes.
@@ -62,14 +66,32 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + more
 
 
-def check_resume_target(checkpoint: Path, max_steps: int) -> None:
-    """Refuse a step target the checkpoint has already reached (see the module docstring)."""
+def check_resume_target(checkpoint: Path, max_steps: int) -> bool:
+    """Refuse a step target below the checkpoint's step; True when it is the checkpoint's step, after
+    saying that nothing is left to train (the run then only saves the checkpoint's model, see
+    `restore_without_training`: how a run killed while saving its final model is finished)."""
     step = checkpoint_step(checkpoint)
-    if max_steps != -1 and max_steps <= step:
-        raise TrainSetupError(
-            f"--max-steps {max_steps} is not beyond the step of {checkpoint} ({step}): that run is already "
-            f"there; give --max-steps above {step} to train on from it"
+    if max_steps == -1 or max_steps > step:
+        return False
+    if max_steps == step:
+        logger.warning(
+            f"--max-steps {max_steps}: {checkpoint} is already at step {step}, nothing is left to train; "
+            "saving its model (give a larger --max-steps to train on)"
         )
+        return True
+    raise TrainSetupError(
+        f"--max-steps {max_steps} is below the step of {checkpoint} ({step}): that run is already past it; "
+        f"give --max-steps {step} to only save its model, or above {step} to train on from it"
+    )
+
+
+def restore_without_training(trainer: Any, checkpoint: Path) -> None:
+    """Give `trainer` the checkpoint's weights and state without a step. (`Trainer.train` resumed at its
+    step target would still run one more optimizer step.)"""
+    from transformers import TrainerState
+
+    trainer._load_from_checkpoint(str(checkpoint))
+    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
 
 
 def check_resume(model: Any, checkpoint: Path, lora: bool) -> None:
