@@ -1,6 +1,7 @@
 """A training forward whose loss the model does not assemble (issue 26, point 16): TRL's SFTTrainer calls
 the backbone under its fused LM head, `Trainer` with `compute_loss_func` or label smoothing calls the
-causal LM without labels. The family's extra terms (ConceptMoE/DLCM ratio loss, LSLM prior term) are
+causal LM without labels. The family's extra terms (ConceptMoE/DLCM ratio loss, LSLM prior term, Hidden
+Decoding's other streams under "all_streams" supervision) are
 then not optimised, and the model says so once; a forward that assembles its own loss, and any
 gradient-free one, says nothing. (`test_ratio_scopes.py` runs the real SFTTrainer.)"""
 
@@ -16,6 +17,8 @@ from tests.conformance.families import (
     _conceptmoe_config,
     _dlcm_class,
     _dlcm_config,
+    _hidden_decoding_class,
+    _hidden_decoding_config,
     _lslm_class,
     _lslm_config,
 )
@@ -24,6 +27,11 @@ FAMILIES = {
     "conceptmoe": (_conceptmoe_class, _conceptmoe_config, "the ratio loss (aux_loss_weight="),
     "dlcm": (_dlcm_class, _dlcm_config, "the ratio loss (aux_loss_weight="),
     "lslm": (_lslm_class, _lslm_config, "the kl prior term (kl_weight="),
+    "hidden_decoding": (
+        _hidden_decoding_class,
+        lambda **overrides: _hidden_decoding_config(**{"stream_supervision": "all_streams", **overrides}),
+        "the other streams' cross-entropy (stream_supervision='all_streams')",
+    ),
 }
 
 
@@ -74,6 +82,8 @@ def test_the_causal_lm_without_labels_warns_and_with_labels_does_not(family, cap
         ("conceptmoe", dict(chunking="fixed")),
         ("dlcm", dict(aux_loss_weight=0.0)),
         ("lslm", dict(kl_weight=0.0)),
+        ("hidden_decoding", dict(stream_supervision="final")),
+        ("hidden_decoding", dict(stream_supervision="sum")),
     ],
 )
 def test_nothing_is_said_when_the_family_has_no_extra_term(family, overrides, caplog):

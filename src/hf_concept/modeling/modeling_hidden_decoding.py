@@ -60,6 +60,7 @@ from .layers import (
     recording_attentions,
     repeat_kv,
 )
+from .loss_terms import LOSS_IN_FORWARD, warn_loss_terms_dropped
 from .modeling_plain import CausalLMMixin, default_position_ids, init_backbone_weights
 from .stream_cache import StreamCache
 from .streams import (
@@ -458,6 +459,8 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
     ) -> HiddenDecodingModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
         recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
+        if not kwargs.pop(LOSS_IN_FORWARD, False):
+            warn_loss_terms_dropped(self, "Hidden Decoding", self.extra_loss_terms())
         use_cache = self.config.use_cache if use_cache is None else use_cache
         stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
         batch, _, length, _ = stream_states.shape
@@ -500,6 +503,12 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             stream_states=self.norm(stream_states) if output_stream_states else None,
         )
         return output.to_tuple() if return_dict is False else output
+
+    def extra_loss_terms(self) -> list[str]:
+        """The loss terms beyond the logits' cross-entropy, which only the causal LM's forward adds."""
+        if self.config.stream_supervision != "all_streams":
+            return []
+        return ["the other streams' cross-entropy (stream_supervision='all_streams')"]
 
     def attention_modules(self) -> list[nn.Module]:
         """The module behind each entry of `attentions`: every layer's stream attention, in order."""
@@ -668,10 +677,13 @@ class HiddenDecodingForCausalLM(CausalLMMixin, HiddenDecodingPreTrainedModel, Ge
         self.post_init()
 
     def backbone_kwargs(self, labels: torch.Tensor | None, kwargs: dict) -> dict:
-        """Every stream's states are requested when the loss needs them ("all_streams" with labels)."""
-        if labels is not None and self.config.stream_supervision == "all_streams":
-            return dict(kwargs, output_stream_states=True)
-        return kwargs
+        """Every stream's states are requested when the loss needs them ("all_streams" with labels); with
+        labels the backbone also learns that the loss is assembled here (loss_terms.py)."""
+        if labels is None:
+            return kwargs
+        if self.config.stream_supervision == "all_streams":
+            return dict(kwargs, output_stream_states=True, **{LOSS_IN_FORWARD: True})
+        return dict(kwargs, **{LOSS_IN_FORWARD: True})
 
     def loss_and_fields(
         self,
