@@ -17,6 +17,7 @@ at once (status 2) with one line naming the run that holds it (`hf_concept.train
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -100,6 +101,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="DLCM μP param groups (automatic when the config sets mup_base_width).",
     )
     parser.add_argument("--base-model", default=None, help="Name of the starting model in the model card.")
+    parser.add_argument(
+        "--gguf-file", default=None, metavar="NAME", help="The .gguf file to start from in a folder of many."
+    )
 
 
 def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +167,21 @@ def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hf_concept.conversion.gguf_source import source_folder
+
+    with contextlib.ExitStack() as stack:
+        try:
+            # A GGUF checkpoint is de-quantised into a temporary folder that lives until training ends.
+            source = stack.enter_context(source_folder(args.model, args.gguf_file))
+        except ValueError as error:
+            print(f"hf-concept train: error: {error}", file=sys.stderr)
+            return 2
+        if source.gguf is not None:
+            args.model, args.base_model = source.folder, args.base_model or str(source.gguf)
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from hf_concept.training.errors import OutputWriteError, TrainingDivergedError, TrainSetupError
     from hf_concept.training.recipes import train
 
