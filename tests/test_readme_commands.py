@@ -25,6 +25,7 @@ RUN_BY = {
     "generate": ("tests/test_generate_command.py", '"generate"'),
     "segment": ("tests/test_segmentation.py", '"segment"'),
     "push": ("tests/test_push.py", '"push"'),
+    "build-corpus": ("tests/test_corpus_builder.py", '"build-corpus"'),
 }
 # How a README line starts an `hf-concept` command; the arguments follow.
 LAUNCHERS = re.compile(
