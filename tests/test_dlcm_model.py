@@ -143,7 +143,9 @@ def test_loss_is_lm_plus_weighted_ratio_loss_and_linear_smoothing_keeps_the_lm_l
     assert router is None or router.abs().max() == 0, "the LM loss reached the router"
     model.zero_grad()
     model(input_ids=input_ids, labels=input_ids).loss.backward()
-    assert model.model.chunker.boundary_query.weight.grad.abs().max() > 0, "the ratio loss did not reach the router"
+    assert model.model.chunker.boundary_query.weight.grad.abs().max() > 0, (
+        "the ratio loss did not reach the router"
+    )
 
 
 def test_fixed_chunking_realises_the_ratio():
