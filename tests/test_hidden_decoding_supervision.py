@@ -65,7 +65,9 @@ def test_final_is_the_default_and_reads_the_final_stream_only():
     assert outputs.stream_states is None
     with torch.no_grad():
         streams = final(input_ids=input_ids, output_stream_states=True).stream_states
-    assert torch.equal(outputs.logits, final.lm_head(streams[:, -1]))
+    # Same values by two kernel shapes (the norm over one stream or over all): equal up to float reordering,
+    # which some CPUs (AMD EPYC here) show in the last bit.
+    assert_close(outputs.logits, final.lm_head(streams[:, -1]), atol=1e-6, rtol=1e-6)
     assert_close(outputs.loss, token_mean_cross_entropy(outputs.logits, labels))
 
 
@@ -106,12 +108,12 @@ def test_all_streams_loss_is_the_mean_of_every_streams_cross_entropy(items):
     per_stream = [token_mean_cross_entropy(model.lm_head(streams[:, k]), labels, items) for k in range(3)]
     assert_close(outputs.loss, torch.stack(per_stream).mean())
     # The prediction is still the final stream's: other than the final-stream loss.
-    assert torch.equal(outputs.logits, model.lm_head(streams[:, -1]))
+    assert_close(outputs.logits, model.lm_head(streams[:, -1]), atol=1e-6, rtol=1e-6)
     final_loss = token_mean_cross_entropy(outputs.logits, labels, items)
     assert (outputs.loss - final_loss).abs() > 1e-4
     with torch.no_grad():
         final = with_supervision(model, "final")(input_ids=input_ids)
-    assert torch.equal(final.logits, outputs.logits)
+    assert_close(final.logits, outputs.logits, atol=1e-6, rtol=1e-6)
 
 
 def test_sum_predicts_from_the_norm_of_the_summed_streams():
