@@ -49,8 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="Train or fine-tune a model (config or checkpoint) on local text with Trainer.",
         description="Train a model built from a config (file, or folder without weights) or fine-tune a "
-        "checkpoint on local .txt/.json/.jsonl files or a datasets folder, logging lm_loss, aux_loss and "
-        "the realised compression; save the final model, tokenizer and model card to --output-dir.",
+        "checkpoint on local .txt/.json/.jsonl/.parquet files or a datasets folder, logging lm_loss, "
+        "aux_loss and the realised compression; save the final model, tokenizer and model card to "
+        "--output-dir.",
     )
     parser.add_argument("model", type=Path, metavar="CONFIG_OR_CHECKPOINT")
     _add_data_flags(parser)
@@ -63,6 +64,30 @@ def _add_data_flags(parser: argparse.ArgumentParser) -> None:
         "--data", nargs="+", type=Path, required=True, help="Training files or datasets folders."
     )
     parser.add_argument("--eval-data", nargs="+", type=Path, default=None, help="Evaluation files.")
+    parser.add_argument(
+        "--data-split",
+        default=None,
+        metavar="NAME",
+        help="Split of a saved DatasetDict given to --data (default: train).",
+    )
+    parser.add_argument(
+        "--eval-data-split",
+        default=None,
+        metavar="NAME",
+        help="Split of a saved DatasetDict given to --eval-data (default: train), e.g. validation.",
+    )
+    parser.add_argument(
+        "--data-filter",
+        action="append",
+        default=[],
+        metavar="COLUMN=VALUE[,VALUE]",
+        help="Keep rows whose COLUMN holds a VALUE, e.g. language=en (repeatable; eval data too).",
+    )
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="Read the data lazily as a datasets IterableDataset (larger than memory; needs --max-steps).",
+    )
     parser.add_argument(
         "--eval-split-fraction", type=float, default=None, help="Hold out this share of documents."
     )
@@ -228,6 +253,10 @@ def _train(args: argparse.Namespace) -> int:
             resume=args.resume,
             resume_from=args.resume_from,
             encoding_errors=args.encoding_errors,
+            data_split=args.data_split,
+            eval_data_split=args.eval_data_split,
+            data_filter=args.data_filter,
+            streaming=args.streaming,
         )
         if result.is_main_process:
             print(result.summary_table())

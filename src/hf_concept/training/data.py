@@ -25,7 +25,8 @@ TXT_DOCUMENTS = ("paragraph", "file")
 ENCODING_ERRORS = ("strict", "replace")
 
 
-def _paragraphs(text: str) -> list[str]:
+def paragraphs(text: str) -> list[str]:
+    """The blank-line-separated paragraphs of `text` (a line of only whitespace counts as blank)."""
     blocks, current = [], []
     for line in text.splitlines():
         if line.strip():
@@ -135,7 +136,7 @@ def read_documents(
             documents += _dataset_texts(path, text_field)
         elif path.suffix in TEXT_SUFFIXES:
             text = read_text(path, encoding_errors)
-            documents += _paragraphs(text) if txt_documents == "paragraph" else [text]
+            documents += paragraphs(text) if txt_documents == "paragraph" else [text]
         elif path.suffix in JSON_SUFFIXES:
             documents += _record_texts(_json_records(path, encoding_errors), text_field, path)
         else:
@@ -149,37 +150,57 @@ def read_documents(
     return documents
 
 
-def split_documents(documents: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, eval): a seeded random `fraction` of the documents (at least one) held out for evaluation."""
+def split_indices(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) row numbers, each ascending: a seeded random `fraction` of `count` documents (at least
+    one, never all) held out for evaluation."""
     if not (isinstance(fraction, float | int) and 0 < fraction < 1):
         raise TrainSetupError(f"eval_split_fraction={fraction!r} must be in (0, 1)")
-    if len(documents) < 2:
-        raise TrainSetupError(
-            f"eval_split_fraction needs at least 2 documents, the data has {len(documents)}"
-        )
-    order = list(range(len(documents)))
+    if count < 2:
+        raise TrainSetupError(f"eval_split_fraction needs at least 2 documents, the data has {count}")
+    order = list(range(count))
     random.Random(seed).shuffle(order)
-    held = min(len(documents) - 1, max(1, round(fraction * len(documents))))
+    held = min(count - 1, max(1, round(fraction * count)))
     held_out = set(order[:held])
-    train = [document for index, document in enumerate(documents) if index not in held_out]
-    return train, [documents[index] for index in sorted(held_out)]
+    return [index for index in range(count) if index not in held_out], sorted(held_out)
+
+
+def split_documents(documents: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """(train, eval): a seeded random `fraction` of the documents (at least one) held out for evaluation."""
+    train, held_out = split_indices(len(documents), fraction, seed)
+    return [documents[index] for index in train], [documents[index] for index in held_out]
+
+
+def check_block_size(block_size: int) -> None:
+    if not (isinstance(block_size, int) and block_size >= 2):
+        raise TrainSetupError(f"block_size={block_size!r} must be an integer >= 2")
+
+
+def document_pieces(documents: Sequence[Any], tokenizer: Any, block_size: int) -> list[list[int]]:
+    """The token pieces of `documents`: each text document (blank ones and non-text values skipped; a list
+    of texts, as a columnar JSON record gives, counts as its items) is tokenized with the tokenizer's own
+    special tokens, gets eos appended if the tokenizer did not add it, and is cut into pieces of at most
+    `block_size` tokens; a one-token piece has nothing to predict and is dropped."""
+    values = [item for value in documents for item in (value if isinstance(value, list) else [value])]
+    texts = [value for value in values if isinstance(value, str) and value.strip()]
+    if not texts:
+        return []
+    eos = tokenizer.eos_token_id
+    pieces = []
+    # verbose=False: a document longer than the model's context is expected here (it is cut into pieces).
+    for ids in tokenizer(texts, verbose=False)["input_ids"]:
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids = [*ids, eos]
+        pieces += [ids[offset : offset + block_size] for offset in range(0, len(ids), block_size)]
+    return [piece for piece in pieces if len(piece) >= 2]
 
 
 def tokenize_documents(documents: list[str], tokenizer: Any, block_size: int) -> list[dict[str, list[int]]]:
     """One {"input_ids": ...} sequence per piece of at most `block_size` tokens of each document."""
-    if not (isinstance(block_size, int) and block_size >= 2):
-        raise TrainSetupError(f"block_size={block_size!r} must be an integer >= 2")
-    eos = tokenizer.eos_token_id
+    check_block_size(block_size)
     sequences = []
     for start in range(0, len(documents), 256):
-        for ids in tokenizer(documents[start : start + 256])["input_ids"]:
-            if eos is not None and (not ids or ids[-1] != eos):
-                ids = [*ids, eos]
-            for offset in range(0, len(ids), block_size):
-                piece = ids[offset : offset + block_size]
-                # A one-token piece has nothing to predict.
-                if len(piece) >= 2:
-                    sequences.append({"input_ids": piece})
+        pieces = document_pieces(documents[start : start + 256], tokenizer, block_size)
+        sequences += [{"input_ids": piece} for piece in pieces]
     return sequences
 
 

@@ -11,7 +11,9 @@ Choices (the README's "Training" section states them for users):
 - Data: `.txt`/`.md` files hold one document per blank-line-separated paragraph (the rule the bundled
   corpus joins its documents with; `txt_documents="file"` makes each file one document); `.json` (a list
   of records, or JSON lines) and `.jsonl` records give their `text_field`; a folder written by `datasets`'
-  `save_to_disk` gives its column `text_field` (the "train" split of a DatasetDict). Each document is
+  `save_to_disk` gives its column `text_field` (the split `data_split` of a DatasetDict, default "train");
+  `.parquet` files too. Everything is read through `datasets` (`hf_concept.training.datasets_io`: filters
+  by column, streaming, and the tokenized cache reused by the next run). Each document is
   tokenized with the tokenizer's own special tokens, gets eos appended if the tokenizer did not add it,
   and is cut into pieces of at most `block_size` tokens; each piece is one training sequence.
 - Packing (default): `DataCollatorWithFlattening` joins a batch's sequences into one row whose
@@ -68,12 +70,8 @@ from hf_concept.training.checkpoints import (
     latest_checkpoint,
     remove_stale_staging,
 )
-from hf_concept.training.data import (
-    data_collator,
-    read_documents,
-    split_documents,
-    tokenize_documents,
-)
+from hf_concept.training.data import data_collator, read_documents  # noqa: F401 (read_documents: API)
+from hf_concept.training.datasets_io import prepare_datasets
 from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.output import TrainResult, finish
 from hf_concept.training.output_lock import folder_entries, lock_output_dir
@@ -377,36 +375,6 @@ def check_schedule(learning_rate: float | None, max_steps: int) -> None:
         )
 
 
-def prepare_datasets(
-    data: str | Path | Sequence[str | Path],
-    tokenizer: Any,
-    *,
-    eval_data: str | Path | Sequence[str | Path] | None = None,
-    eval_split_fraction: float | None = None,
-    text_field: str = "text",
-    txt_documents: str = "paragraph",
-    block_size: int = 512,
-    seed: int = 0,
-    encoding_errors: str = "strict",
-) -> tuple[list[dict[str, list[int]]], list[dict[str, list[int]]] | None]:
-    """(train sequences, eval sequences or None) from the data files (rules: module docstring)."""
-    if eval_data and eval_split_fraction:
-        raise TrainSetupError("give eval_data or eval_split_fraction, not both")
-    documents = read_documents(data, text_field, txt_documents, encoding_errors)
-    eval_documents = None
-    if eval_data:
-        eval_documents = read_documents(eval_data, text_field, txt_documents, encoding_errors)
-    elif eval_split_fraction:
-        documents, eval_documents = split_documents(documents, eval_split_fraction, seed)
-    train_set = tokenize_documents(documents, tokenizer, block_size)
-    if not train_set:
-        raise TrainSetupError(f"the data gives no training sequence of 2 or more tokens (data={data!r})")
-    eval_set = tokenize_documents(eval_documents, tokenizer, block_size) if eval_documents else None
-    tokens = sum(len(sequence["input_ids"]) for sequence in train_set)
-    _info(f"{len(documents)} documents -> {len(train_set)} training sequences, {tokens} tokens")
-    return train_set, eval_set
-
-
 def resolve_block_size(model: PreTrainedModel, block_size: int | None) -> int:
     """`block_size`, checked against the model's max_position_embeddings; None: the smaller of 512 and it."""
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -481,13 +449,19 @@ def train(
     resume: bool = False,
     resume_from: str | Path | None = None,
     encoding_errors: str = "strict",
+    data_split: str | None = None,
+    eval_data_split: str | None = None,
+    data_filter: Sequence[str] = (),
+    streaming: bool = False,
 ) -> TrainResult:
     """Train `model_or_path` on `data` and save the result to `output_dir` (choices: module docstring).
 
     `mup=None` uses DLCM's μP groups exactly when the config sets `mup_base_width`. `learning_rate=None`
     means 3e-4, or the config's μP base rates. `callbacks` are TrainerCallbacks (objects, classes or
     "module:Class"). `resume` continues from the newest complete checkpoint under
-    `output_dir/checkpoints`, `resume_from` from the given one. Raises `TrainSetupError` for input
+    `output_dir/checkpoints`, `resume_from` from the given one. `data_split`/`eval_data_split` pick the split
+    of a saved `DatasetDict`, `data_filter` keeps rows by column ("language=en"), `streaming` reads the data
+    lazily (needs `max_steps`); see `hf_concept.training.datasets_io`. Raises `TrainSetupError` for input
     problems found before training starts, and `TrainingDivergedError` when the loss, a gradient norm or a
     weight stops being finite (nothing non-finite is saved).
     """
@@ -511,6 +485,11 @@ def train(
             block_size=block_size,
             seed=seed,
             encoding_errors=encoding_errors,
+            data_split=data_split,
+            eval_data_split=eval_data_split,
+            data_filter=data_filter,
+            streaming=streaming,
+            max_steps=max_steps,
         )
         use_mup = _use_mup(model, mup)
         callback_objects = resolve_callbacks(callbacks)
@@ -557,7 +536,7 @@ def train(
             "packing": packing,
             "lora": {"r": lora_r, "alpha": lora_alpha} if lora else None,
             "mup": use_mup,
-            "train_sequences": len(train_set),
+            "train_sequences": None if streaming else len(train_set),
         }
         return finish(trainer, out, eval_metrics, details, base_model or _base_model_name(model_or_path))
 
@@ -566,8 +545,8 @@ def build_trainer(
     model: Any,
     tokenizer: Any,
     args: TrainingArguments,
-    train_set: list[dict[str, list[int]]],
-    eval_set: list[dict[str, list[int]]] | None,
+    train_set: Any,
+    eval_set: Any,
     packing: bool,
     callbacks: list[Any],
     mup: bool,
