@@ -20,6 +20,16 @@ fields (HD paper §2, DESIGN §4):
   default here, for models trained from scratch) or "token" (p, one position per token; the conversion
   default, since a pretrained source knows only token distances: converting a source with held-out loss
   5.484 to n = 4 gave 5.62 with expanded positions and 5.483 with token positions, issue 18).
+- `cross_stream_mask`: which keys a query sees in "local" and "full" layers. "causal" (the paper's Fig. 3:
+  plain causal attention over the interleaved sequence, so stream k of token i sees the streams ≤ k of
+  token i; the default, and what a saved config without the field loads as) or "token_block" (every
+  stream of token i sees all n streams of the tokens ≤ i, and a local layer's window is the last
+  `local_window` whole tokens; the conversion default). Seeing the later streams of one's own token is
+  no leak: every stream of token i depends on tokens ≤ i only, and the loss at token i predicts i + 1.
+- `cross_stream_positions`: RoPE positions in "local" and "full" layers, "expanded" (p·n + k, the
+  paper's; the default) or "token" (p; the conversion default).
+  With `cross_stream_mask="token_block"`, `cross_stream_positions="token"` and `intra_stream_positions=
+  "token"`, conversion loses nothing at any n (`modeling_hidden_decoding`'s docstring has the argument).
 - `stream_kv`: "per_stream" (each stream keeps its own keys and values in intra layers) or "shared"
   (the §5.2 ablation: intra layers keep only the final stream's keys and values as context).
 - `stream_supervision` (the §5.1 / Table 5 objectives, all through the one shared final norm and LM head):
@@ -42,6 +52,8 @@ from .configuration_plain import MAX_COUNT, MAX_SIZE, PlainDecoderConfig, _is_in
 
 STREAM_ATTENTION_KINDS = ("intra", "local", "full")
 INTRA_STREAM_POSITIONS = ("expanded", "token")
+STREAM_POSITION_KINDS = INTRA_STREAM_POSITIONS
+CROSS_STREAM_MASKS = ("causal", "token_block")
 STREAM_KV_KINDS = ("per_stream", "shared")
 STREAM_SUPERVISION_KINDS = ("final", "all_streams", "sum")
 # The paper's default density of cross-stream layers (Appendix H: one cross-stream layer in four).
@@ -101,6 +113,8 @@ class HiddenDecodingConfig(PlainDecoderConfig):
     num_streams: int = 2
     stream_attention_layout: list[str] | None = None
     intra_stream_positions: str = "expanded"
+    cross_stream_mask: str = "causal"
+    cross_stream_positions: str = "expanded"
     stream_kv: str = "per_stream"
     stream_supervision: str = "final"
     local_window: int | None = None
@@ -179,11 +193,10 @@ class HiddenDecodingConfig(PlainDecoderConfig):
                 f"intra_window={self.intra_window} cannot hold with stream_kv='shared' (the shared-KV "
                 "ablation has no windowed form); leave intra_window=None"
             )
-        if self.intra_stream_positions not in INTRA_STREAM_POSITIONS:
-            raise ValueError(
-                f"intra_stream_positions={self.intra_stream_positions!r} must be one of "
-                f"{INTRA_STREAM_POSITIONS}"
-            )
+        for name in ("intra_stream_positions", "cross_stream_positions"):
+            if getattr(self, name) not in STREAM_POSITION_KINDS:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {STREAM_POSITION_KINDS}")
+        self._check_cross_stream_mask()
         if self.stream_kv not in STREAM_KV_KINDS:
             raise ValueError(f"stream_kv={self.stream_kv!r} must be one of {STREAM_KV_KINDS}")
         if self.stream_supervision not in STREAM_SUPERVISION_KINDS:
@@ -196,6 +209,24 @@ class HiddenDecodingConfig(PlainDecoderConfig):
                 "share one LM head that is tied to none of them"
             )
         super().check_fields()
+
+    def _check_cross_stream_mask(self) -> None:
+        mask, window, streams = self.cross_stream_mask, self.sliding_window, self.num_streams
+        if mask not in CROSS_STREAM_MASKS:
+            raise ValueError(f"cross_stream_mask={mask!r} must be one of {CROSS_STREAM_MASKS}")
+        local = "local" in self.stream_attention_layout and _is_int(window)
+        if mask == "token_block" and local and window % streams:
+            raise ValueError(
+                f"sliding_window={window} is not a whole number of tokens of num_streams={streams} "
+                "positions: cross_stream_mask='token_block' windows whole tokens; set local_window (tokens)"
+            )
+
+    @property
+    def local_window_tokens(self) -> int | None:
+        """The local layers' window in whole tokens (token-block masks); None without local layers."""
+        if "local" not in self.stream_attention_layout or self.sliding_window is None:
+            return None
+        return self.sliding_window // self.num_streams
 
     @property
     def stream_layer_kinds(self) -> set[str]:

@@ -15,14 +15,37 @@ Stream attention kinds (config `stream_attention_layout`):
   attends to the final stream's keys of earlier tokens plus its own key at the current token.
 - "local": causal sliding window of `sliding_window` expanded positions over the interleaved sequence.
 - "full": causal over the S·L interleaved positions.
+Local and full layers ("cross-stream") take their mask from `cross_stream_mask`: "causal" as above (the
+paper's Fig. 3: stream k of token i sees streams ≤ k of token i), or "token_block": every stream of token
+i sees all S streams of tokens ≤ i (a local layer: of the last `sliding_window / S` whole tokens). Their
+RoPE positions are p·S + k ("expanded", `cross_stream_positions`) or p ("token").
+
+Lossless conversion (token-block masks, token positions in every layer). Claim: a source whose embedding
+is replicated into S equal tables computes, at every layer and for every stream of every token, the
+source's state of that token; so the logits equal the source's, at any S and for any layout. Induction
+over layers. Base: every stream of token i enters as E(x_i), the source's input. Step, assuming every
+stream of every token j holds the source's state h_j: the S streams of token j then have equal queries,
+keys and values, all at RoPE position p_j. An intra layer gives stream k of token i its own stream's
+tokens j ≤ i (within the source's window, if any): exactly the source's keys and positions, so the
+source's output. A token-block cross layer gives every stream of token i the S streams of each token j ≤ i
+(of the last w tokens for a local layer of window w tokens, the source's window): S identical copies of
+each of the source's keys. Softmax over S equal copies gives each the source weight over S, and their
+values sum back to the source output; the query is the source's at every stream. So every stream leaves
+the layer with the source's state, and the head reads the final stream: the source's logits. With the
+paper's "causal" mask this fails at S > 1: stream k of token i sees k + 1 copies of token i but S of each
+earlier token, so streams drift apart and later tokens read drifted states (SmolLM2-135M: +0.19 nats per
+token at S = 2, +0.58 at S = 4). The same argument makes `expand` S → m·S exact for any trained
+token-block model (cyclic copies E_1..E_S, E_1..E_S, …: stream k + S·r repeats stream k at every layer).
+Token-block attention is no leak: every stream of token i depends on tokens ≤ i only, and the loss at
+token i predicts token i + 1.
 
 Contract:
 - Inputs and outputs are per token: input_ids (B, L), attention_mask (B, T + L), position_ids (B or 1, L),
   labels (B, L), logits (B, L, V) from each token's final stream (the streams' sum under "sum"
   supervision). Expansion is internal.
 - Causality: stream k of token i reads only streams of tokens < i and streams < = k of token i (intra:
-  only its own stream), all within its document (packed rows: position ids restart at 0), real tokens
-  only (left padding through `attention_mask`).
+  only its own stream; token-block cross layers: every stream of token i), all within its document
+  (packed rows: position ids restart at 0), real tokens only (left padding through `attention_mask`).
 - With S = 1 every kind is plain causal attention: the model computes the plain family's logits.
 - The forward is the incremental step over a `StreamCache`: tokens [0, n) then [n, m) equal [0, m).
 - `output_attentions=True` (eager attention): one tensor per layer, shapes in `HiddenDecodingModelOutput`;
@@ -62,7 +85,7 @@ from .layers import (
 )
 from .loss_terms import LOSS_IN_FORWARD, warn_loss_terms_dropped
 from .modeling_plain import CausalLMMixin, default_position_ids, init_backbone_weights
-from .stream_cache import StreamCache
+from .stream_cache import StreamCache, TokenUnits
 from .streams import (
     deinterleave_streams,
     expand_attention_mask,
@@ -265,7 +288,8 @@ class StreamMasks:
 
 @dataclass
 class StreamPositions:
-    """Position ids and RoPE tables of the two views: interleaved (B, L·S) and folded streams (B·S, L)."""
+    """Position ids and RoPE tables of the two views: interleaved (B, L·S) and folded streams (B·S, L).
+    `expanded_ids` are the interleaved view's RoPE ids: p·S + k, or p under token cross-stream positions."""
 
     expanded_ids: torch.Tensor
     expanded_rope: tuple[torch.Tensor, torch.Tensor] | None
@@ -337,10 +361,14 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
     def new_cache(self) -> StreamCache:
         """An empty `StreamCache` shaped for this model's layout."""
         config = self.config
+        window = config.sliding_window
+        if config.cross_stream_mask == "token_block" and window is not None:
+            # Whole tokens: the w - 1 earlier tokens of a w-token window, S slots each (stream_cache).
+            window = (config.local_window_tokens - 1) * config.num_streams + 1
         return StreamCache(
             config.stream_attention_layout,
             config.num_streams,
-            config.sliding_window,
+            window,
             config.stream_kv,
             intra_window=config.intra_window,
         )
@@ -366,10 +394,14 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         return inputs_embeds.view(batch, length, streams, width).transpose(1, 2).contiguous()
 
     def stream_positions(self, stream_states: torch.Tensor, position_ids: torch.Tensor) -> StreamPositions:
-        """Expanded ids p·S + k for the interleaved view; folded ids (RoPE per config) for intra layers."""
+        """RoPE ids and tables per view, each by its config field: the interleaved view (local and full
+        layers, `cross_stream_positions`) and the folded one (intra layers, `intra_stream_positions`)."""
         kinds = set(self.config.stream_attention_layout)
         streams = self.num_streams
-        expanded_ids = expand_position_ids(position_ids, streams)
+        if self.config.cross_stream_positions == "token":
+            expanded_ids = position_ids.repeat_interleave(streams, dim=1)
+        else:
+            expanded_ids = expand_position_ids(position_ids, streams)
         folded_ids = stream_positions(position_ids, streams, self.config.intra_stream_positions)
         expanded_rope = self.rotary_emb(stream_states, expanded_ids) if kinds & {"local", "full"} else None
         folded_rope = self.rotary_emb(stream_states, folded_ids) if "intra" in kinds else None
@@ -403,7 +435,11 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             return stream_states.new_empty(rows, positions, 0)
 
         masks = StreamMasks()
-        if "full" in layout or "local" in layout:
+        if config.cross_stream_mask == "token_block":
+            masks.full, masks.local = self.token_block_masks(
+                stream_states, attention_mask, cache, position_ids
+            )
+        elif "full" in layout or "local" in layout:
             common = dict(
                 config=config,
                 inputs_embeds=probe(batch, length * streams),
@@ -443,6 +479,40 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
                     **common,
                 )
         return masks
+
+    def token_block_masks(
+        self,
+        stream_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: StreamCache | None,
+        position_ids: torch.Tensor,
+    ) -> tuple[Any, Any]:
+        """(full, local) token-block masks: built per token by masking_utils (causal, and for local layers a
+        sliding window of whole tokens), sized by the cache in tokens, then widened to S slots per token
+        on both sides (`widen_token_mask`), so every stream of token i sees every stream of tokens ≤ i."""
+        config, streams = self.config, self.num_streams
+        layout = config.stream_attention_layout
+        batch, _, length, _ = stream_states.shape
+        common = dict(
+            inputs_embeds=stream_states.new_empty(batch, length, 0),
+            attention_mask=attention_mask,
+            past_key_values=None if cache is None else TokenUnits(cache),
+            position_ids=position_ids,
+            # A skipped mask would mean "causal over slots", which the token blocks are not.
+            allow_is_causal_skip=False,
+        )
+        full = local = None
+        if "full" in layout:
+            token_mask = create_causal_mask(config=config, layer_idx=layout.index("full"), **common)
+            full = widen_token_mask(token_mask, streams)
+        if "local" in layout:
+            window_config = copy.copy(config)
+            window_config.sliding_window = config.local_window_tokens
+            token_mask = create_sliding_window_causal_mask(
+                config=window_config, layer_idx=layout.index("local"), **common
+            )
+            local = widen_token_mask(token_mask, streams)
+        return full, local
 
     def forward(
         self,
@@ -650,6 +720,17 @@ def final_query_mask(
     # Query j sits at key index past + j·S + S - 1 and sees the keys up to it.
     last_seen = past + torch.arange(length, device=device) * streams + streams - 1
     return (torch.arange(key_length, device=device)[None, :] <= last_seen[:, None])[None, None]
+
+
+def widen_token_mask(token_mask: torch.Tensor | None, streams: int) -> torch.Tensor:
+    """(B, 1, L, T) per-token mask (boolean or additive) -> (B, 1, L·S, T·S): each entry repeated for the
+    S query slots and the S key slots of its tokens."""
+    if not torch.is_tensor(token_mask) or token_mask.dim() != 4:
+        raise ValueError(
+            "cross_stream_mask='token_block' needs a 4-D tensor mask per token (sdpa or eager attention); "
+            f"masking_utils gave {type(token_mask).__name__}"
+        )
+    return token_mask.repeat_interleave(streams, dim=2).repeat_interleave(streams, dim=3)
 
 
 class HiddenDecodingForCausalLM(CausalLMMixin, HiddenDecodingPreTrainedModel, GenerationMixin):

@@ -8,11 +8,14 @@ One layer store per decoder layer, by the layer's stream attention kind:
   intra_window - 1 tokens when the intra layers have a window);
 - "intra", stream_kv "shared": a `DynamicLayer` (B, G, T, K) holding the final stream only;
 - "full": a `DynamicLayer` over the interleaved sequence, (B, G, S·T, K);
-- "local": a `RollbackWindowLayer` over the interleaved sequence (at most W - 1 slots kept).
+- "local": a `RollbackWindowLayer` over the interleaved sequence (at most W - 1 slots kept). Under
+  token-block cross-stream masks the model passes W = (w - 1)·S + 1 for a window of w whole tokens, so
+  the layer keeps the w - 1 earlier tokens' S slots each and its mask sizes stay whole tokens.
 
 Lengths: `get_seq_length()` counts tokens, as `generate` needs (HF_NOTES §2); `get_query_offset(i)` and
 `get_mask_sizes(q, i)` speak the units of layer i (tokens for intra layers, expanded slots for the others),
-so `transformers.masking_utils` sizes each mask from the layer it is built for.
+so `transformers.masking_utils` sizes each mask from the layer it is built for. `TokenUnits(cache)` speaks
+tokens in every layer, for masks built per token and then widened to the S slots of each token.
 
 Storage: intra and full layers append into `BlockGrowthLayer` buffers that grow by whole blocks of
 `GROWTH_BLOCK_TOKENS` tokens, so a decode step writes its n new entries in place instead of copying the
@@ -173,6 +176,32 @@ class RollbackWindowLayer(DynamicSlidingWindowLayer):
     def reset(self) -> None:
         super().reset()
         self.latest = None
+
+
+class TokenUnits:
+    """A read-only view of a `StreamCache` that gives every layer's mask sizes in tokens.
+
+    `masking_utils` sizes a mask by `get_query_offset` and `get_mask_sizes`; a token-block mask is built
+    per token and then widened to S slots a token, so its sizes are the layer's slot counts over S. That
+    needs whole tokens in every layer, which `StreamCache` keeps: each call adds whole tokens, and a local
+    layer built for token-block masks keeps whole tokens (see the module docstring)."""
+
+    is_compileable = False
+
+    def __init__(self, cache: StreamCache) -> None:
+        self.cache = cache
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.cache.get_query_offset(layer_idx) // self.cache.slots_per_token[layer_idx]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        slots = self.cache.slots_per_token[layer_idx]
+        length, offset = self.cache.get_mask_sizes(query_length * slots, layer_idx)
+        if length % slots or offset % slots:
+            raise ValueError(
+                f"layer {layer_idx} holds {length} slots from slot {offset}: not whole tokens of {slots} slots"
+            )
+        return length // slots, offset // slots
 
 
 class StreamCache(FamilyCache):

@@ -12,6 +12,8 @@ dense (S·L) x (S·L) boolean mask built from the definitions (HD eq. 4, §5.2, 
 - shared-KV intra: itself, plus the final stream of earlier tokens;
 - local: earlier or equal expanded position, fewer than `sliding_window` positions back;
 - full: earlier or equal expanded position;
+- under `cross_stream_mask="token_block"`, local and full: any stream of an earlier or equal token, for
+  local fewer than `sliding_window / S` tokens back; RoPE at p·S + k or p (`cross_stream_positions`);
 always within the same document (position ids restart at 0) and over real tokens only. The head reads
 each token's final stream, or the sum of its streams under `stream_supervision="sum"`.
 """
@@ -31,14 +33,26 @@ def _token_layout(attention_mask: torch.Tensor, position_ids: torch.Tensor):
 
 
 def stream_mask(
-    kind: str, num_streams: int, documents, real, sliding_window=None, shared=False, intra_window=None
+    kind: str,
+    num_streams: int,
+    documents,
+    real,
+    sliding_window=None,
+    shared=False,
+    intra_window=None,
+    token_block=False,
 ):
     """(B, S·L, S·L) boolean: may expanded position t attend to t'?"""
     length = documents.shape[1]
     expanded = torch.arange(length * num_streams)
     token, stream = expanded // num_streams, expanded % num_streams
     causal = expanded[None, :] <= expanded[:, None]
-    if kind == "intra" and shared:
+    back = token[:, None] - token[None, :]
+    if kind != "intra" and token_block:
+        allowed = back >= 0
+        if kind == "local":
+            allowed = allowed & (back < sliding_window // num_streams)
+    elif kind == "intra" and shared:
         final_earlier = (stream[None, :] == num_streams - 1) & (token[None, :] < token[:, None])
         allowed = (expanded[None, :] == expanded[:, None]) | final_earlier
     elif kind == "intra":
@@ -88,9 +102,8 @@ def reference_logits(model, input_ids, attention_mask=None, position_ids=None) -
     token_positions = position_ids.repeat_interleave(streams, dim=1)
     for layer in backbone.layers:
         kind = layer.stream_kind
-        positions = expanded_positions
-        if kind == "intra" and config.intra_stream_positions == "token":
-            positions = token_positions
+        field = config.intra_stream_positions if kind == "intra" else config.cross_stream_positions
+        positions = token_positions if field == "token" else expanded_positions
         cos, sin = backbone.rotary_emb(states, positions)
         mask = stream_mask(
             kind,
@@ -100,6 +113,7 @@ def reference_logits(model, input_ids, attention_mask=None, position_ids=None) -
             config.sliding_window,
             shared=config.stream_kv == "shared",
             intra_window=config.intra_window,
+            token_block=config.cross_stream_mask == "token_block",
         )
         states = states + _attention(layer.self_attn, layer.input_layernorm(states), cos, sin, mask)
         mixed = layer.mlp(layer.post_attention_layernorm(states))
