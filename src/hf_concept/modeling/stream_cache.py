@@ -199,7 +199,8 @@ class TokenUnits:
         length, offset = self.cache.get_mask_sizes(query_length * slots, layer_idx)
         if length % slots or offset % slots:
             raise ValueError(
-                f"layer {layer_idx} holds {length} slots from slot {offset}: not whole tokens of {slots} slots"
+                f"layer {layer_idx} holds {length} slots from slot {offset}: not whole tokens of {slots} "
+                "slots"
             )
         return length // slots, offset // slots
 
