@@ -222,7 +222,8 @@ def family_settings(family: str, config) -> dict[str, Any]:
         layout = list(get("stream_attention_layout") or [])
         values = {"num_streams": get("num_streams"), "stream_attention_layout": "".join(k[0] for k in layout)}
         values["cross_stream_layers"] = sum(kind != "intra" for kind in layout)
-        names = ("local_window", "sliding_window", "intra_window", "intra_stream_positions", "stream_kv")
+        names = ("local_window", "sliding_window", "intra_window", "intra_stream_positions")
+        names += ("cross_stream_mask", "cross_stream_positions", "stream_kv")
         names += ("num_hidden_layers", "hidden_size")
         values.update({name: get(name) for name in names})
     elif family == "dlcm":

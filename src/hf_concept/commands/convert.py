@@ -144,9 +144,31 @@ def _add_hidden_decoding(targets: argparse._SubParsersAction) -> None:
         help="RoPE positions in intra layers: 'token' (default: as the source was trained) or the paper's "
         "'expanded' (p*n + k), which a pretrained source has not seen and which raises its loss",
     )
+    add_cross_stream_flags(parser, default_mask="token_block", default_positions="token")
     parser.add_argument("--stream-kv", choices=("per_stream", "shared"), default="per_stream")
     _add_output_flags(parser)
     parser.set_defaults(convert=_convert_hidden_decoding)
+
+
+def add_cross_stream_flags(parser: argparse.ArgumentParser, default_mask, default_positions) -> None:
+    """--cross-stream-mask and --cross-stream-positions (shared by `convert hidden-decoding` and `expand`)."""
+    parser.add_argument(
+        "--cross-stream-mask",
+        choices=("token_block", "causal"),
+        default=default_mask,
+        help="Which keys local/full layers see: 'token_block' (every stream of a token sees all streams of "
+        "that token and the earlier ones; with token positions the converted model computes the source's "
+        "logits at any n) or the paper's 'causal' over the expanded sequence (changes what the source "
+        "computes when n > 1)",
+    )
+    parser.add_argument(
+        "--cross-stream-positions",
+        choices=("token", "expanded"),
+        default=default_positions,
+        help="RoPE positions in local/full layers: 'token' (p, as the source was trained) or the paper's "
+        "'expanded' (p*n + k). The paper's form is --cross-stream-mask causal --cross-stream-positions "
+        "expanded --intra-stream-positions expanded",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,6 +231,8 @@ def _convert_hidden_decoding(args: argparse.Namespace) -> Path:
         sliding_window=args.sliding_window,
         local_window=args.local_window,
         intra_stream_positions=args.intra_stream_positions,
+        cross_stream_mask=args.cross_stream_mask,
+        cross_stream_positions=args.cross_stream_positions,
         stream_kv=args.stream_kv,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,

@@ -11,17 +11,23 @@ import argparse
 import sys
 from pathlib import Path
 
+from hf_concept.commands.convert import add_cross_stream_flags
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "expand",
         help="Grow a Hidden Decoding checkpoint's streams by cyclic replication.",
         description="Copy the embedding tables cyclically (E1..En, E1..En, ...) so that a checkpoint with "
-        "n streams becomes one with M streams (M a multiple of n); the sliding window is scaled by M/n.",
+        "n streams becomes one with M streams (M a multiple of n); the sliding window is scaled by M/n. "
+        "The cross-stream mask and positions are the checkpoint's unless given; under token-block masks "
+        "and token positions (the conversion default) the grown model computes what the checkpoint does.",
     )
     parser.add_argument("src", type=Path, help="Hidden Decoding checkpoint folder.")
     parser.add_argument("dst", type=Path, help="Destination folder (must not exist or be empty).")
     parser.add_argument("--streams", type=int, required=True, help="New number of streams M.")
+    # Default None: keep the checkpoint's own cross-stream mask and positions.
+    add_cross_stream_flags(parser, default_mask=None, default_positions=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--max-shard-size", default="2GB", help="Largest shard, e.g. 2GB or 500MB.")
     parser.add_argument("--base-model", default=None, help="Name of the source in the model card.")
@@ -37,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
             args.src,
             args.dst,
             num_streams=args.streams,
+            cross_stream_mask=args.cross_stream_mask,
+            cross_stream_positions=args.cross_stream_positions,
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,

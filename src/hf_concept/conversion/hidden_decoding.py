@@ -17,7 +17,13 @@ Conversion contract (`convert_to_hidden_decoding`):
   whose layers all slide, `intra_window` = the source's window. Each stream, and the final stream of a
   local layer, then sees the tokens the source layer saw.
 - With n = 1 every layer kind computes the source's attention, so the converted model gives the source
-  model's logits.
+  model's logits. At any n, the defaults `cross_stream_mask="token_block"` (every stream of token i sees
+  all streams of tokens ≤ i in local and full layers, local windows in whole tokens) and token RoPE
+  positions in every layer (`cross_stream_positions`, `intra_stream_positions`) keep them too: all n
+  streams of every token then hold the source's state at every layer, so the step-0 model is the source
+  (the argument is in `modeling_hidden_decoding`'s docstring; tests/test_hidden_decoding_lossless.py). The
+  paper's form (`cross_stream_mask="causal"`, `cross_stream_positions="expanded"`) stays selectable; it
+  costs SmolLM2-135M +0.19 nats per token at n = 2 and +0.58 at n = 4 before any training (issue 29).
 - `intra_stream_positions` defaults to "token" here (one RoPE position per token, as the source was
   trained), while a from-scratch `HiddenDecodingConfig` keeps the paper's "expanded" (p·n + k). The
   expanded positions stretch every distance an intra layer sees by n, which a pretrained source never
@@ -27,7 +33,9 @@ Conversion contract (`convert_to_hidden_decoding`):
 
 Expansion contract (`expand_hidden_decoding`): n → m streams with m a multiple of n, by cyclic
 replication (paper eq. 5, E_{n+k} ← E_k): the tables become (E_1..E_n, E_1..E_n, ...); `sliding_window`
-is scaled by m / n for the same reason as above; every other tensor and setting is copied.
+is scaled by m / n for the same reason as above; every other tensor and setting is copied, the
+cross-stream mask and positions included unless given. With token-block masks and token positions the
+grown model computes what the checkpoint computed, trained or not (`modeling_hidden_decoding`).
 
 Both check every tensor's shape against a model built on the meta device, name missing and unused
 tensors, and stream shard by shard into `writer.atomic_folder`, so any error leaves no destination.
@@ -198,6 +206,8 @@ def hidden_decoding_config_from_source(
     stream_kv: str,
     sliding_window: int | None,
     local_window: int | None = None,
+    cross_stream_mask: str = "token_block",
+    cross_stream_positions: str = "token",
 ):
     """A HiddenDecodingConfig with the source's backbone fields and the conversion options."""
     from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig, default_stream_layout
@@ -221,6 +231,8 @@ def hidden_decoding_config_from_source(
         num_streams=num_streams,
         stream_attention_layout=layout,
         intra_stream_positions=intra_stream_positions,
+        cross_stream_mask=cross_stream_mask,
+        cross_stream_positions=cross_stream_positions,
         stream_kv=stream_kv,
         tie_word_embeddings=False,
     )
@@ -286,6 +298,8 @@ def convert_to_hidden_decoding(
     stream_attention_layout: str | Sequence[str] | None = None,
     cross_every: int = 4,
     intra_stream_positions: str = "token",
+    cross_stream_mask: str = "token_block",
+    cross_stream_positions: str = "token",
     stream_kv: str = "per_stream",
     sliding_window: int | None = None,
     local_window: int | None = None,
@@ -301,7 +315,10 @@ def convert_to_hidden_decoding(
     `stream_attention_layout` is a list of kinds or a pattern (`parse_stream_layout`); None derives it
     from the source (`default_stream_layout` with `cross_every`). `local_window` (tokens) defaults to the
     source's window; `sliding_window` (expanded positions) replaces it where needed. `dtype` defaults to
-    the source's; `base_model` names the source in the model card (default: the `src` path). Raises
+    the source's; `base_model` names the source in the model card (default: the `src` path). The
+    defaults (token-block cross-stream masks, token positions everywhere) give the source's logits at any
+    `num_streams`; `cross_stream_mask="causal"` with `cross_stream_positions="expanded"` is the paper's
+    form. Raises
     ValueError, with `dst` left untouched, for an unsupported model_type, a bad option, missing/corrupt
     shards, NaN/inf weights, shape mismatches, `.bin` weights without `allow_pickle=True`, a `dst` that
     is, contains or lies inside `src` (even with `overwrite=True`), or an existing non-empty `dst` without
@@ -317,6 +334,8 @@ def convert_to_hidden_decoding(
         stream_attention_layout=stream_attention_layout,
         cross_every=cross_every,
         intra_stream_positions=intra_stream_positions,
+        cross_stream_mask=cross_stream_mask,
+        cross_stream_positions=cross_stream_positions,
         stream_kv=stream_kv,
         sliding_window=sliding_window,
         local_window=local_window,
@@ -349,8 +368,9 @@ def read_hidden_decoding_config(src: Path):
     return HiddenDecodingConfig.from_pretrained(str(src))
 
 
-def expanded_config(config, num_streams: int):
-    """`config` with `num_streams` streams (a multiple of the current count) and the window scaled."""
+def expanded_config(config, num_streams: int, **settings: str | None):
+    """`config` with `num_streams` streams (a multiple of the current count), the window scaled, and the
+    given `settings` (`cross_stream_mask`, `cross_stream_positions`; None keeps the checkpoint's)."""
     from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig
 
     _check_positive_int("num_streams", num_streams)
@@ -367,6 +387,7 @@ def expanded_config(config, num_streams: int):
     fields["num_streams"] = num_streams
     if fields.get("sliding_window") is not None:
         fields["sliding_window"] = fields["sliding_window"] * factor
+    fields.update({name: value for name, value in settings.items() if value is not None})
     return HiddenDecodingConfig(**fields)
 
 
@@ -397,6 +418,8 @@ def expand_hidden_decoding(
     dst: str | Path,
     *,
     num_streams: int,
+    cross_stream_mask: str | None = None,
+    cross_stream_positions: str | None = None,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
@@ -406,7 +429,10 @@ def expand_hidden_decoding(
     """Grow the Hidden Decoding checkpoint `src` to `num_streams` streams (a multiple of its own count)
     by cyclic replication of the embedding tables, writing `dst`; returns `dst`.
 
-    `sliding_window` is scaled by the growth factor; every other tensor and setting is copied. `dtype`
+    `sliding_window` is scaled by the growth factor; every other tensor and setting is copied, the
+    cross-stream mask and positions too unless `cross_stream_mask` / `cross_stream_positions` are given
+    (a checkpoint converted with the defaults has token-block masks and token positions, under which the
+    grown model computes what `src` computes; changing them changes what a trained model computes). `dtype`
     defaults to the checkpoint's. Raises ValueError, with `dst` left untouched, for a folder that is not
     a Hidden Decoding checkpoint, a `num_streams` that is not a multiple, missing/corrupt shards, NaN/inf
     weights, a `dst` that is, contains or lies inside `src`, or an existing non-empty `dst` without
@@ -416,7 +442,12 @@ def expand_hidden_decoding(
     dst = check_destination(dst, overwrite, source=src)
     parse_size(max_shard_size)
     old_config = read_hidden_decoding_config(src)
-    config = expanded_config(old_config, num_streams)
+    config = expanded_config(
+        old_config,
+        num_streams,
+        cross_stream_mask=cross_stream_mask,
+        cross_stream_positions=cross_stream_positions,
+    )
     dtype = resolve_dtype(dtype, old_config)
     check_safetensors_files(src)
     shapes = expected_shapes(config)
