@@ -17,6 +17,12 @@ from hf_concept.reference.hidden_decoding import reference_logits
 from tests.test_concept_cache import left_pad, prepared
 from tests.test_hidden_decoding_model import hd_model, ids
 
+# Cross-stream modes: the paper's causal masks over the interleaved sequence, and the conversion
+# default (token-block masks, token positions; a local window of 2 whole tokens).
+MODES = {
+    "causal": {},
+    "token_block": dict(cross_stream_mask="token_block", cross_stream_positions="token", sliding_window=6),
+}
 # One layout per kind of last layer.
 LAST_LAYER_LAYOUTS = {
     "full": ["intra", "local", "intra", "full"],
@@ -34,9 +40,11 @@ def mlp_rows(model) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize(("last", "attn"), list(itertools.product(LAST_LAYER_LAYOUTS, ["eager", "sdpa"])))
-def test_final_stream_last_layer_equals_the_plain_call_and_the_reference(last, attn):
-    model = hd_model(attn=attn, stream_attention_layout=LAST_LAYER_LAYOUTS[last])
+@pytest.mark.parametrize(
+    ("last", "attn", "mode"), list(itertools.product(LAST_LAYER_LAYOUTS, ["eager", "sdpa"], MODES))
+)
+def test_final_stream_last_layer_equals_the_plain_call_and_the_reference(last, attn, mode):
+    model = hd_model(attn=attn, stream_attention_layout=LAST_LAYER_LAYOUTS[last], **MODES[mode])
     input_ids, attention_mask = left_pad([ids(9, seed=3), ids(6, seed=4)])
     rows = mlp_rows(model)
     with torch.no_grad():
@@ -51,10 +59,10 @@ def test_final_stream_last_layer_equals_the_plain_call_and_the_reference(last, a
     assert rows[:2] == [tokens, 3 * tokens]
 
 
-@pytest.mark.parametrize("last", list(LAST_LAYER_LAYOUTS))
-def test_final_stream_last_layer_without_a_mask_and_with_packed_documents(last):
+@pytest.mark.parametrize(("last", "mode"), list(itertools.product(LAST_LAYER_LAYOUTS, MODES)))
+def test_final_stream_last_layer_without_a_mask_and_with_packed_documents(last, mode):
     """No padding (sdpa's mask may be skipped: the causal rows are spelled out) and packed rows."""
-    model = hd_model(stream_attention_layout=LAST_LAYER_LAYOUTS[last])
+    model = hd_model(stream_attention_layout=LAST_LAYER_LAYOUTS[last], **MODES[mode])
     input_ids = ids(2, 10, seed=5)
     packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]] * 2)
     with torch.no_grad():
@@ -86,9 +94,11 @@ def test_final_stream_last_layer_trains_as_the_plain_call(last):
     assert trimmed["model.layers.3.self_attn.q_proj.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize(("last", "attn"), list(itertools.product(LAST_LAYER_LAYOUTS, ["eager", "sdpa"])))
-def test_cached_greedy_decode_equals_recomputation_for_every_last_layer(last, attn):
-    model = prepared(hd_model(attn=attn, stream_attention_layout=LAST_LAYER_LAYOUTS[last]))
+@pytest.mark.parametrize(
+    ("last", "attn", "mode"), list(itertools.product(LAST_LAYER_LAYOUTS, ["eager", "sdpa"], MODES))
+)
+def test_cached_greedy_decode_equals_recomputation_for_every_last_layer(last, attn, mode):
+    model = prepared(hd_model(attn=attn, stream_attention_layout=LAST_LAYER_LAYOUTS[last], **MODES[mode]))
     input_ids, attention_mask = left_pad([ids(7, seed=8), ids(4, seed=9)])
     settings = dict(attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
     out = model.generate(input_ids, return_dict_in_generate=True, output_logits=True, **settings)

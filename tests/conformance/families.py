@@ -182,6 +182,19 @@ def _hidden_decoding_config(**overrides: Any):
     return HiddenDecodingConfig(**values)
 
 
+def _hidden_decoding_token_block_config(**overrides: Any):
+    """The conversion default: token-block cross-stream masks, token positions in every layer; the local
+    window is 2 whole tokens (6 expanded positions)."""
+    values = dict(
+        cross_stream_mask="token_block",
+        cross_stream_positions="token",
+        intra_stream_positions="token",
+        sliding_window=6,
+    )
+    values.update(overrides)
+    return _hidden_decoding_config(**values)
+
+
 def _hidden_decoding_shared_moe_config(**overrides: Any):
     values = dict(
         num_streams=2,
@@ -368,6 +381,17 @@ FAMILIES: list[FamilySpec] = [
             ("num_streams", 0),
             ("stream_attention_layout", ["intra", "cross", "intra", "full"]),
             ("intra_stream_positions", "absolute"),
+        ),
+    ),
+    FamilySpec(
+        name="hidden-decoding-token-block",
+        make_config=_hidden_decoding_token_block_config,
+        model_class=_hidden_decoding_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        invalid_values=(
+            ("cross_stream_mask", "blockwise"),
+            ("cross_stream_positions", "absolute"),
+            ("sliding_window", 5),
         ),
     ),
     FamilySpec(
