@@ -396,9 +396,10 @@ def test_four_streams_train_and_generate_with_the_cache(tmp_path):
 
 def test_the_conversion_default_keeps_a_trained_source_s_held_out_loss(tmp_path):
     """A tiny Llama trained for 300 steps on the bundled corpus, converted to n = 4 with the default
-    layout: with the conversion default (token positions in intra layers) the held-out loss stays within
-    1% of the source's before any training; the paper's expanded positions lose more (measured: source
-    5.986, token 6.038, expanded 6.059 nats per token)."""
+    layout: with the conversion defaults (token positions in every layer, token-block cross-stream masks)
+    the held-out loss is the source's before any training; the paper's expanded positions in the intra
+    layers lose more (measured: source 5.934, token 5.934, expanded 5.965 nats per token; before the
+    token-block default, with the paper's cross-stream form: 5.986, 6.038 and 6.059)."""
     from transformers import LlamaForCausalLM
 
     from hf_concept.data.bpe import bundled_tokenizer
@@ -443,7 +444,7 @@ def test_the_conversion_default_keeps_a_trained_source_s_held_out_loss(tmp_path)
         losses[name] = heldout_loss(HiddenDecodingForCausalLM.from_pretrained(tmp_path / name))
     assert config_of(tmp_path / "token")["intra_stream_positions"] == "token"
     assert losses["source"] < 6.5, losses  # trained: positions only matter to a model that learned them
-    assert losses["token"] <= 1.01 * losses["source"], losses
+    assert abs(losses["token"] - losses["source"]) <= 1e-4, losses
     assert losses["expanded"] > losses["token"], losses
 
 
