@@ -283,23 +283,33 @@ def test_cli_converts_and_expands(tmp_path, capsys):
     flags = (
         "--streams 2 --layout iiif*2 --stream-kv shared --intra-stream-positions expanded --dtype bfloat16"
     )
-    flags += " --max-shard-size 20KB --base-model org/tiny"
+    flags += " --max-shard-size 20KB --base-model org/tiny --cross-stream-mask causal"
+    flags += " --cross-stream-positions expanded"
     status, _ = run_cli(capsys, "convert", "hidden-decoding", source, tmp_path / "two", *flags.split())
     assert status == 0
     config = config_of(tmp_path / "two")
     expected = dict(num_streams=2, stream_kv="shared", intra_stream_positions="expanded", dtype="bfloat16")
+    expected.update(cross_stream_mask="causal", cross_stream_positions="expanded")
     assert {key: config[key] for key in expected} == expected
     assert config["stream_attention_layout"] == ["intra", "intra", "intra", "full"] * 2
     assert "org/tiny" in (tmp_path / "two" / "README.md").read_text()
     status, _ = run_cli(capsys, "convert", "hidden-decoding", source, tmp_path / "cross", "--streams", "1")
     assert status == 0
     assert config_of(tmp_path / "cross")["stream_attention_layout"] == ["intra", "intra", "intra", "full"] * 2
-    # Without the flag a conversion keeps the source's one position per token.
-    assert config_of(tmp_path / "cross")["intra_stream_positions"] == "token"
+    # Without the flags a conversion keeps the source's one position per token, with token-block masks.
+    defaults = ("intra_stream_positions", "cross_stream_positions", "cross_stream_mask")
+    assert [config_of(tmp_path / "cross")[name] for name in defaults] == ["token", "token", "token_block"]
     status, _ = run_cli(capsys, "expand", tmp_path / "two", tmp_path / "four", "--streams", "4")
     assert status == 0
     config = config_of(tmp_path / "four")
     assert (config["num_streams"], config["stream_kv"], config["dtype"]) == (4, "shared", "bfloat16")
+    # expand keeps the checkpoint's cross-stream form unless told otherwise.
+    assert (config["cross_stream_mask"], config["cross_stream_positions"]) == ("causal", "expanded")
+    flags = ["--streams", "4", "--cross-stream-mask", "token_block", "--cross-stream-positions", "token"]
+    status, _ = run_cli(capsys, "expand", tmp_path / "two", tmp_path / "four-block", *flags)
+    assert status == 0
+    config = config_of(tmp_path / "four-block")
+    assert (config["cross_stream_mask"], config["cross_stream_positions"]) == ("token_block", "token")
     assert read_checkpoint(tmp_path / "four")[EMBEDDING].shape == (TINY_LLAMA["vocab_size"], 4 * WIDTH)
 
 
