@@ -178,10 +178,10 @@ def test_model_card_lists_the_settings_and_the_layout(tmp_path):
     assert config_of(tmp_path / "dst")["sliding_window"] == 8
     assert "trust_remote_code=True" in card.text and "org/tiny-mistral" in card.text
     assert "| 3 | local |" in card.text and "| 0 | intra |" in card.text
-    assert (
-        "the last 4 tokens (`intra_window`)" in card.text
-        and "the last 4 tokens (`local_window`)" in card.text
-    )
+    assert "the last 4 tokens (`intra_window`)" in card.text
+    # The conversion default: token-block cross-stream attention, exact at step 0.
+    assert "all streams of the last 4 tokens" in card.text and "exactly the source's logits" in card.text
+    assert settings["cross_stream_mask"] == "token_block" and settings["cross_stream_positions"] == "token"
 
 
 def test_unsupported_sources_and_pickles_are_refused_without_a_destination(tmp_path):
