@@ -52,6 +52,13 @@ OLD_SOURCE = os.environ.get("HF_CONCEPT_OLD_SOURCE")
 IDS = torch.arange(3, 27).view(2, 12)
 
 
+def assert_same_logits(logits: torch.Tensor, folder: Path) -> None:
+    """The saving process's logits. Not bit for bit: that process may run another number of threads than
+    this one at this point of the suite, which moves the last bit (3e-8 seen); a router weight lost or
+    left at its init would move them by orders of magnitude more."""
+    torch.testing.assert_close(logits, torch.load(folder / "logits.pt"), atol=1e-6, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def old_folders(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("before_rename")
@@ -85,7 +92,7 @@ def test_a_checkpoint_saved_before_the_rename_loads_into_our_classes(family, old
     assert not hasattr(chunker, "q_proj") and chunker.boundary_query.weight.abs().sum() > 0
     with torch.no_grad():
         logits = model.eval()(input_ids=IDS).logits
-    torch.testing.assert_close(logits, torch.load(folder / "logits.pt"), atol=0, rtol=0)
+    assert_same_logits(logits, folder)
 
 
 @pytest.mark.parametrize("family", sorted(CLASSES))
@@ -107,7 +114,7 @@ def test_an_old_remote_code_folder_loads_with_the_new_code(family, old_folders, 
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         logits = model.eval()(input_ids=IDS).logits
-    torch.testing.assert_close(logits, torch.load(folder / "logits.pt"), atol=0, rtol=0)
+    assert_same_logits(logits, folder)
 
 
 @pytest.mark.parametrize("family", sorted(CLASSES))
@@ -120,4 +127,4 @@ def test_torch_load_state_dict_takes_the_legacy_names(family, old_folders):
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
     with torch.no_grad():
         logits = model.eval()(input_ids=IDS).logits
-    torch.testing.assert_close(logits, torch.load(folder / "logits.pt"), atol=0, rtol=0)
+    assert_same_logits(logits, folder)
