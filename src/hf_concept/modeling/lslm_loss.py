@@ -13,7 +13,7 @@ from .lslm_layout import Segmentation
 from .routing import bernoulli_kl_from_logits, binomial_prior_nll
 
 if TYPE_CHECKING:
-    from .modeling_lslm import LSLMPass
+    from .lslm_outputs import LSLMPass
 
 
 def prior_loss_sum(segmentation: Segmentation, free: torch.Tensor, config: LSLMConfig) -> torch.Tensor:
