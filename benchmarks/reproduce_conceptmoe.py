@@ -32,10 +32,17 @@ Jobs run in `--workers` processes of `--threads` torch threads each. Mean ± sam
 per-seed values and curves in `--json`; `--png` draws them (matplotlib, the `plots` extra). `--quick` is
 a smoke run (tiny model, a few steps, one seed).
 
+`--sweep-dir DIR` runs the same jobs as a resumable sweep (`hf_concept.training.sweep`): a manifest of
+the runs (one per from-scratch configuration and seed, one CT run per seed), a checkpoint of each
+from-scratch run every `--checkpoint-minutes`, one line per finished run in `DIR/results.jsonl`; started
+again after a kill, it skips the finished runs and resumes the others to the results an uninterrupted
+sweep gives. A CT run is not checkpointed inside (it starts over if killed). `--status` prints each run
+as done / running / left with time estimates, and trains nothing.
+
     python benchmarks/reproduce_conceptmoe.py [--seeds 0,1,2] [--steps 300] [--pretrain-steps 400]
         [--continue-steps 200] [--width 64] [--layers 2,4,2] [--context 256] [--batch-size 16]
         [--accumulation 2] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
-        [--json PATH] [--png PATH] [--quick]
+        [--json PATH] [--png PATH] [--quick] [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,6 +71,7 @@ from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
 from hf_concept.modeling.routing import RatioAccumulator
+from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
 TARGET_RATIO = 2.0
@@ -108,8 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak lr from scratch and in pretraining")
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
     runner.add_run_flags(parser)
+    sweep.add_sweep_flags(parser)
     counts = ("steps", "pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
     args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
+    sweep.check_sweep_flags(parser, args)
     if args.width % (2 * HEAD_WIDTH):
         parser.error(f"--width={args.width} must be a multiple of {2 * HEAD_WIDTH} (heads of 16, KV half)")
     return args
@@ -192,40 +203,74 @@ def compute_table(args: argparse.Namespace, vocab_size: int, pad_id: int) -> lis
 # ---------------------------------------------------------------------------------------------- training
 
 
-def train(
+def optimizer_step(
+    model: torch.nn.Module, optimizer, schedule, batch: torch.Tensor, accumulation: int
+) -> list[tuple[torch.Tensor, object]]:
+    """One step of `runner.accumulated_steps` (the same operations in the same order), on an optimizer
+    and schedule held by the caller, so that a sweep can checkpoint them: `accumulation` micro-batches
+    normalised as `Trainer` does, gradients clipped at 1.0. Returns the (micro-batch, output) pairs."""
+    items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
+    optimizer.zero_grad(set_to_none=True)
+    outputs = []
+    for micro in batch.chunk(accumulation):
+        output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
+        output.loss.backward()
+        outputs.append((micro, output))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    return outputs
+
+
+def step_record(outputs: list, concept: bool) -> dict:
+    """A step's record: the loss, and for a ConceptMoE the LM loss and both realised ratios of the step's
+    tokens (sampled, and thresholded as inference)."""
+    loss = sum(output.loss.item() for _, output in outputs)
+    entry = dict(loss=loss, lm_loss=loss)
+    if concept:
+        # lm_loss is each micro-batch's share of the step's LM loss, like loss.
+        tokens = sum(micro.numel() for micro, _ in outputs)
+        entry["lm_loss"] = sum(output.lm_loss.item() for _, output in outputs)
+        entry["sampled_ratio"] = tokens / sum(
+            micro.numel() / output.compression_ratio.item() for micro, output in outputs
+        )
+        entry["inference_ratio"] = tokens / sum(
+            micro.numel() / output.inference_compression_ratio.item() for micro, output in outputs
+        )
+    return entry
+
+
+def trainer(
     model: torch.nn.Module, args: argparse.Namespace, seed: int, rows: list, steps: int, lr: float
-) -> list[dict]:
-    """`steps` optimizer steps on the seed's batches; one record per step: the loss, and for a ConceptMoE
-    the LM loss and both realised ratios of the step's tokens (sampled, and thresholded as inference)."""
+) -> tuple[dict, Callable[[int], dict]]:
+    """The state a run must keep across a kill (model, AdamW at peak `lr` with `learning_rate_factor`
+    over `steps`, the seed's batch generator) and the function that performs step i on it."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     accumulator = RatioAccumulator(args.accumulation)
     concept = isinstance(model, ConceptMoEForCausalLM)
     if concept:
         model.ratio_accumulator = accumulator if model.config.ratio_scope == "global" else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: runner.learning_rate_factor(step, steps)
+    )
+    model.train()
 
-    def batches():
-        for _ in range(steps):
-            batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
-            accumulator.reset(batch.numel())
-            yield batch
+    def step(index: int) -> dict:
+        batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+        accumulator.reset(batch.numel())
+        return step_record(optimizer_step(model, optimizer, schedule, batch, args.accumulation), concept)
 
-    history = []
-    for outputs in runner.accumulated_steps(model, batches(), steps, args.accumulation, lr):
-        loss = sum(output.loss.item() for _, output in outputs)
-        entry = dict(loss=loss, lm_loss=loss)
-        if concept:
-            # lm_loss is each micro-batch's share of the step's LM loss, like loss.
-            tokens = sum(micro.numel() for micro, _ in outputs)
-            entry["lm_loss"] = sum(output.lm_loss.item() for _, output in outputs)
-            entry["sampled_ratio"] = tokens / sum(
-                micro.numel() / output.compression_ratio.item() for micro, output in outputs
-            )
-            entry["inference_ratio"] = tokens / sum(
-                micro.numel() / output.inference_compression_ratio.item() for micro, output in outputs
-            )
-        history.append(entry)
-    return history
+    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
+
+
+def train(
+    model: torch.nn.Module, args: argparse.Namespace, seed: int, rows: list, steps: int, lr: float
+) -> list[dict]:
+    """`steps` optimizer steps on the seed's batches; one record per step (`step_record`)."""
+    _, step = trainer(model, args, seed, rows, steps, lr)
+    return [step(index) for index in range(steps)]
 
 
 @torch.no_grad()
@@ -259,17 +304,32 @@ def final(history: list[dict], key: str) -> float:
 
 
 def scratch_job(args: argparse.Namespace, name: str, seed: int) -> dict:
+    """Train configuration `name` from `seed` and score it; under `--sweep-dir` as a resumable run."""
     torch.set_num_threads(args.threads)
     data = reproduce_dlcm.load_data_once(args)
     model = build_scratch(args, name, seed, data["vocab_size"], data["pad_id"])
     start = time.perf_counter()
-    history = train(model, args, seed, data["rows"], args.steps, args.lr)
-    heldout = evaluate(model, data["heldout"], args.context)
-    seconds = time.perf_counter() - start
+    stateful, step = trainer(model, args, seed, data["rows"], args.steps, args.lr)
+
+    def finish(history: list[dict]) -> dict:
+        heldout = evaluate(model, data["heldout"], args.context)
+        return dict(part="scratch", config=name, seed=seed, parameters=model.num_parameters(),
+                    heldout=heldout, history=history)  # fmt: skip
+
+    if args.sweep_dir:
+        spec = scratch_spec(args, name, seed)
+        record = sweep.run_resumable(
+            spec, args.sweep_dir, stateful, step, args.steps, finish, args.checkpoint_minutes
+        )
+        record = dict(record, seconds=record["wall_seconds"])
+    else:
+        record = finish([step(index) for index in range(args.steps)])
+        record["seconds"] = time.perf_counter() - start
+    heldout = record["heldout"]
     ratio = f", inference ratio {heldout['inference_ratio']:.2f}" if "inference_ratio" in heldout else ""
-    print(f"[seed {seed}] {name}: held-out loss {heldout['loss']:.4f}{ratio} ({seconds:.0f} s)", flush=True)
-    return dict(part="scratch", config=name, seed=seed, parameters=model.num_parameters(), heldout=heldout,
-                history=history, seconds=seconds)  # fmt: skip
+    print(f"[seed {seed}] {name}: held-out loss {heldout['loss']:.4f}{ratio} ({record['seconds']:.0f} s)",
+          flush=True)  # fmt: skip
+    return record
 
 
 def mixtral_source(args: argparse.Namespace, seed: int, vocab_size: int, pad_id: int):
@@ -330,20 +390,56 @@ def ct_job(args: argparse.Namespace, seed: int) -> dict:
     print(f"[seed {seed}] CT source continued: held-out loss {heldout['loss']:.4f}", flush=True)
     rows.insert(0, dict(name="source continued", converted=pretrained, heldout=heldout, history=history))
     seconds = time.perf_counter() - start
-    return dict(part="ct", seed=seed, pretrained=pretrained, pretrain=pretrain, models=rows, seconds=seconds)
+    record = dict(
+        part="ct", seed=seed, pretrained=pretrained, pretrain=pretrain, models=rows, seconds=seconds
+    )
+    if args.sweep_dir:
+        # One unit of the sweep: recorded when whole, started over if killed before.
+        return sweep.finish_run(args.sweep_dir, ct_spec(args, seed), record, seconds)
+    return record
 
 
 def run_jobs(args: argparse.Namespace) -> list[dict]:
-    """Every job, the longest (CT) first, in `args.workers` processes (in this one for a single worker)."""
-    jobs = [(ct_job, (args, seed)) for seed in args.seeds]
-    jobs += [(scratch_job, (args, name, seed)) for seed in args.seeds for name in SCRATCH]
+    """Every job, the longest (CT) first, in `args.workers` processes (in this one for a single worker).
+    Under `--sweep-dir`, a run already in the sweep's results is taken from there, not run again."""
+    jobs = [(ct_spec(args, seed), ct_job, (args, seed)) for seed in args.seeds]
+    jobs += [
+        (scratch_spec(args, name, seed), scratch_job, (args, name, seed))
+        for seed in args.seeds
+        for name in SCRATCH
+    ]
+    done = sweep.read_results(args.sweep_dir) if args.sweep_dir else {}
     if args.workers == 1:
-        return [function(*job_args) for function, job_args in jobs]
+        return [done.get(spec.key) or function(*job_args) for spec, function, job_args in jobs]
     # spawn: a forked child would inherit the parent's torch thread pools.
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        futures = [pool.submit(function, *job_args) for function, job_args in jobs]
-        return [future.result() for future in futures]
+        futures = [
+            done.get(spec.key) or pool.submit(function, *job_args) for spec, function, job_args in jobs
+        ]
+        return [entry if isinstance(entry, dict) else entry.result() for entry in futures]
+
+
+def run_settings(args: argparse.Namespace, *names: str) -> dict:
+    """The flags that change a run's result (torch threads too: they can move the last bits)."""
+    shared = ("width", "layers", "context", "batch_size", "accumulation", "threads")
+    return {name: getattr(args, name) for name in (*shared, *names)}
+
+
+def scratch_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
+    settings = dict(run_settings(args, "steps", "lr"), changes=SCRATCH[name])
+    return sweep.RunSpec("conceptmoe", name, seed, settings)
+
+
+def ct_spec(args: argparse.Namespace, seed: int) -> sweep.RunSpec:
+    settings = run_settings(args, "pretrain_steps", "continue_steps", "lr", "continue_lr")
+    return sweep.RunSpec("conceptmoe", "ct", seed, dict(settings, ratios=list(CT_RATIOS)))
+
+
+def sweep_specs(args: argparse.Namespace) -> list[sweep.RunSpec]:
+    """The sweep's manifest runs, in `run_jobs`' order."""
+    runs = [ct_spec(args, seed) for seed in args.seeds]
+    return runs + [scratch_spec(args, name, seed) for seed in args.seeds for name in SCRATCH]
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -503,8 +599,24 @@ def draw(runs: list[dict], path: str) -> bool:
     return True
 
 
+def open_sweep_or_exit(args: argparse.Namespace) -> bool:
+    """Under `--sweep-dir`: print the status (`--status`; True: nothing more to do) or open the sweep;
+    a folder of another sweep, or no sweep for `--status`, exits 2 with its one-line reason."""
+    try:
+        if args.status:
+            print(sweep.format_status(sweep.read_status(Path(args.sweep_dir))))
+            return True
+        sweep.open_sweep(Path(args.sweep_dir), sweep_specs(args))
+    except sweep.SweepError as error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
+    return False
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.sweep_dir and open_sweep_or_exit(args):
+        return {}
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     data = reproduce_dlcm.load_data_once(args)

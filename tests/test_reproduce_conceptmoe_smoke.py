@@ -71,3 +71,76 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         assert len(model["history"]) == figures["args"]["continue_steps"]
         assert math.isfinite(model["heldout"]["loss"]) and math.isfinite(model["converted"]["loss"])
     assert len(figures["directions"]) == 8
+
+
+def test_the_checkpointable_trainer_takes_the_shared_loops_steps():
+    """`trainer` holds the optimizer and schedule that `runner.accumulated_steps` keeps inside (so that a
+    sweep can checkpoint them): the same batches give the same losses and weights to the last bit."""
+    import random
+
+    import torch
+
+    script = load_script()
+    args = script.parse_args(["--quick"])
+    rows = [
+        torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(index)) for index in range(3)
+    ]
+    model = script.build_scratch(args, "dynamic", 0, 96, 0)
+    history = script.train(model, args, 0, rows, 3, args.lr)
+    reference = script.build_scratch(args, "dynamic", 0, 96, 0)
+    rng, accumulator = random.Random(0), script.RatioAccumulator(args.accumulation)
+    torch.manual_seed(0)
+    reference.ratio_accumulator = accumulator
+
+    def batches():
+        for _ in range(3):
+            batch = script.runner.sample_batch(rows, args.batch_size, args.context, rng)
+            accumulator.reset(batch.numel())
+            yield batch
+
+    steps = script.runner.accumulated_steps(reference, batches(), 3, args.accumulation, args.lr)
+    losses = [sum(output.loss.item() for _, output in outputs) for outputs in steps]
+    assert [entry["loss"] for entry in history] == losses
+    for (name, weight), other in zip(
+        model.state_dict().items(), reference.state_dict().values(), strict=True
+    ):
+        assert torch.equal(weight, other), name
+
+
+@pytest.mark.slow
+def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
+    """`--sweep-dir`: killed with SIGKILL after a from-scratch run's first checkpoint, started again, the
+    sweep skips what is done, resumes the rest, and gives every figure of a run without a sweep."""
+    import signal
+    import time
+
+    plain = tmp_path / "plain.json"
+    command = [sys.executable, str(SCRIPT), "--quick", "--workers", "1"]
+    assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=300).returncode == 0
+    folder = tmp_path / "sweep"
+    swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
+    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while (
+        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    # The CT run (first with one worker) is recorded; the from-scratch runs are not all done.
+    done = (folder / "results.jsonl").read_text().splitlines()
+    assert json.loads(done[0])["run"] == "conceptmoe/ct/seed0" and len(done) < 8
+    status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
+    assert "running  conceptmoe/" in status.stdout and " left" in status.stdout
+    resumed = tmp_path / "resumed.json"
+    assert subprocess.run([*swept, "--json", str(resumed)], capture_output=True, timeout=300).returncode == 0
+    timing = ("seconds", "wall_seconds", "run", "family", "arm")
+
+    def figures(path):
+        return [
+            {k: v for k, v in run.items() if k not in timing} for run in json.loads(path.read_text())["runs"]
+        ]
+
+    assert figures(resumed) == figures(plain)
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 8
