@@ -40,17 +40,26 @@ Figures (held-out split of every language; never used for any choice):
 cut at a line start; the models then train on the rest): the only data any tuning may look at.
 `--quick` is a smoke run (tiny models, 4 steps, one seed, 512 held-out bytes per language).
 
+`--sweep-dir DIR` runs the same models as a resumable sweep (`hf_concept.training.sweep`): a manifest
+of the runs (model, seed and the flags that change a result), a checkpoint of each run every
+`--checkpoint-minutes`, one line per finished run in `DIR/results.jsonl`; started again after a kill it
+skips the finished runs and resumes the others to the results an uninterrupted sweep gives. `--status`
+prints each run as done / running / left with time estimates, and trains nothing.
+
     python benchmarks/reproduce_lslm.py [--seeds 0,1,2] [--steps 400] [--width 96] [--layers 1,3,1]
         [--context 256] [--batch-size 16] [--lr 2e-3] [--weight-decay 0.01] [--threads 1]
         [--eval-bytes N] [--validation] [--json PATH] [--png PATH] [--quick]
+        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,6 +75,8 @@ from hf_concept.evaluation import byte_gpt2_baseline, gpt2_num_parameters, padde
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
+from hf_concept.training import sweep
+from hf_concept.training.lslm import drop_other_group_gradients
 from hf_concept.utils import eval_mode
 
 MODELS = ("gpt2", "lslm", "dtp")
@@ -104,7 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write every per-seed figure here")
     parser.add_argument("--png", default=None, help="draw the training curves here (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, 4 steps, 1 seed")
+    sweep.add_sweep_flags(parser)
     args = parser.parse_args(argv)
+    sweep.check_sweep_flags(parser, args)
     if args.quick:
         for field, value in QUICK.items():
             setattr(args, field, value)
@@ -287,30 +300,100 @@ def evaluate_segmenter(model, shared: argparse.Namespace, texts: dict[str, str])
     return dict(languages=per_language, pooled_rate=opened / max(1, scored))
 
 
+def trainer(
+    model: torch.nn.Module, shared: argparse.Namespace, generator_steps: int | None, rows: list[torch.Tensor]
+) -> tuple[dict, Callable[[int], dict]]:
+    """`runner.train`'s state (model, AdamW, schedule, the seed's batch generator) and its step i, the same
+    operations in the same order, held here so that a sweep can checkpoint them. A step returns its
+    record: the loss and the output's scalar metrics (`runner.step_metrics`)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=shared.lr, weight_decay=shared.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: runner.learning_rate_factor(step, shared.steps)
+    )
+    rng = random.Random(shared.seed)
+    # The LSLM samples its training boundaries with torch's generator: seeded, so a run is repeatable.
+    torch.manual_seed(shared.seed)
+    model.train()
+
+    def step(index: int) -> dict:
+        batch = runner.sample_batch(rows, shared.batch_size, shared.context, rng)  # (B, L)
+        output = model(input_ids=batch, labels=batch)
+        optimizer.zero_grad(set_to_none=True)
+        output.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if generator_steps is not None:
+            drop_other_group_gradients(model, index, generator_steps)
+        optimizer.step()
+        schedule.step()
+        record = dict(runner.step_metrics(output), loss=output.loss.item())
+        if (index + 1) % max(1, shared.steps // 10) == 0 or index + 1 == shared.steps:
+            rate = getattr(output, "boundary_rate", None)
+            sampled = "" if rate is None else f"  sampled boundary rate {rate.item():.3f}"
+            print(f"  step {index + 1}/{shared.steps}  loss {record['loss']:.3f}{sampled}", flush=True)
+        return record
+
+    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
+
+
+def tail_loss(history: list[dict]) -> float:
+    """The mean loss over the last 10% of the steps (`runner.train`'s return value)."""
+    tail = [step["loss"] for step in history[-max(1, len(history) // 10) :]]
+    return sum(tail) / len(tail)
+
+
+def run_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
+    """Model `name` at `seed` in a sweep; its settings are the flags that change its result (torch
+    threads too: they can move the last bits)."""
+    fields = ("steps", "width", "layers", "context", "batch_size", "lr", "weight_decay", "threads",
+              "eval_bytes", "validation")  # fmt: skip
+    return sweep.RunSpec("lslm", name, seed, {field: getattr(args, field) for field in fields})
+
+
 def run_model(args: argparse.Namespace, name: str, seed: int, fit: dict, texts: dict) -> dict:
-    """Train model `name` from `seed` on the shared batches, then score it on `texts`."""
+    """Train model `name` from `seed` on the shared batches, then score it on `texts`; under
+    `--sweep-dir` as a resumable run of the sweep."""
     shared = runner_args(args, seed, name)
     model = build_model(args, name, seed)
     generator_steps = None if name != "lslm" else model.config.update_schedule
-    history: list[dict] = []
     print(
         f"[seed {seed}] training {name} ({model.num_parameters()} parameters), {args.steps} steps", flush=True
     )
     start = time.perf_counter()
-    train_loss = runner.train(model, shared, generator_steps, token_rows(fit), history)
-    train_seconds = time.perf_counter() - start
+    stateful, step = trainer(model, shared, generator_steps, token_rows(fit))
+
+    def finish(history: list[dict]) -> dict:
+        return score_model(model, name, seed, shared, texts, history, time.perf_counter() - start)
+
+    if args.sweep_dir:
+        spec = run_spec(args, name, seed)
+        record = sweep.run_resumable(
+            spec, args.sweep_dir, stateful, step, args.steps, finish, args.checkpoint_minutes
+        )
+    else:
+        record = finish([step(index) for index in range(args.steps)])
+    print(f"[seed {seed}] {name}: train {record['train_seconds']:.0f}s, eval {record['eval_seconds']:.0f}s",
+          flush=True)  # fmt: skip
+    return record
+
+
+def score_model(
+    model: torch.nn.Module, name: str, seed: int, shared: argparse.Namespace, texts: dict, history: list,
+    train_seconds: float,
+) -> dict:  # fmt: skip
+    """The record of trained model `name`: bits per byte and per character on `texts`, the training
+    curves, and for a segmenter its boundary figures."""
+    start = time.perf_counter()
     bpb = runner.evaluate(model, texts, shared)
     # Bits per character: the same total bits over the text's characters instead of its bytes.
     bpc = {language: bpb[language] * len(text.encode()) / len(text) for language, text in texts.items()}
-    record = dict(model=name, seed=seed, parameters=model.num_parameters(), train_loss=train_loss,
+    record = dict(model=name, seed=seed, parameters=model.num_parameters(), train_loss=tail_loss(history),
                   train_seconds=train_seconds, bits_per_byte=bpb, bits_per_char=bpc)  # fmt: skip
     kept = [key for key in CURVES if all(key in step for step in history)]
     record["curves"] = {key: [step[key] for step in history] for key in kept}
     if name in SEGMENTED:
         record.update(train_rates=train_rates(history), boundary_rule=model.config.boundary_rule,
                       heldout=evaluate_segmenter(model, shared, texts))  # fmt: skip
-    record["eval_seconds"] = time.perf_counter() - start - train_seconds
-    print(f"[seed {seed}] {name}: train {train_seconds:.0f}s, eval {record['eval_seconds']:.0f}s", flush=True)
+    record["eval_seconds"] = time.perf_counter() - start
     return record
 
 
@@ -440,8 +523,25 @@ def directions(runs: list[dict]) -> dict[str, bool]:
     return verdict
 
 
+def open_sweep_or_exit(args: argparse.Namespace) -> bool:
+    """Under `--sweep-dir`: print the status (`--status`; True: nothing more to do) or open the sweep;
+    a folder of another sweep, or no sweep for `--status`, exits 2 with its one-line reason."""
+    try:
+        if args.status:
+            print(sweep.format_status(sweep.read_status(Path(args.sweep_dir))))
+            return True
+        specs = [run_spec(args, name, seed) for seed in args.seeds for name in MODELS]
+        sweep.open_sweep(Path(args.sweep_dir), specs)
+    except sweep.SweepError as error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
+    return False
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.sweep_dir and open_sweep_or_exit(args):
+        return {}
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     counts = {name: build_model(args, name, 0).num_parameters() for name in MODELS}
@@ -451,7 +551,13 @@ def main(argv: list[str] | None = None) -> dict:
     split = "validation" if args.validation else "held-out"
     sizes = ", ".join(f"{lang} {len(text.encode())} B / {len(text)} chars" for lang, text in texts.items())
     print(f"scored ({split}): {sizes}; torch {torch.__version__}, {args.threads} threads", flush=True)
-    runs = [run_model(args, name, seed, fit, texts) for seed in args.seeds for name in MODELS]
+    # A run already in the sweep's results is taken from there, not run again.
+    done = sweep.read_results(args.sweep_dir) if args.sweep_dir else {}
+    runs = [
+        done.get(run_spec(args, name, seed).key) or run_model(args, name, seed, fit, texts)
+        for seed in args.seeds
+        for name in MODELS
+    ]
     wall = time.perf_counter() - start
     print_score_tables(runs, split)
     print_boundary_tables(runs, split)

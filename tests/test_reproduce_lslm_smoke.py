@@ -78,3 +78,76 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
                     and 0 <= cell["recall"] <= 1
                     and cell["bytes_per_segment"] >= 1
                 )
+
+
+def load_script():
+    import importlib.util
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("reproduce_lslm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["lslm", "dtp"])
+def test_the_checkpointable_trainer_takes_the_shared_loops_steps(name):
+    """`trainer` holds the optimizer, schedule and batch generator that `runner.train` keeps inside (so
+    that a sweep can checkpoint them): the same losses, metrics and weights to the last bit."""
+    import torch
+
+    script = load_script()
+    args = script.parse_args(["--quick"])
+    # One thread, as the script runs: a second one on a busy machine makes these steps ~10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    shared = script.runner_args(args, 0, name)
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(4, 260, (200,), generator=generator) for _ in range(3)]
+    model = script.build_model(args, name, 0)
+    groups = model.config.update_schedule if name == "lslm" else None
+    _, step = script.trainer(model, shared, groups, rows)
+    history = [step(index) for index in range(args.steps)]
+    reference, expected = script.build_model(args, name, 0), []
+    train_loss = script.runner.train(reference, shared, groups, rows, expected)
+    torch.set_num_threads(threads)
+    assert history == expected and script.tail_loss(history) == train_loss
+    for (key, weight), other in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(weight, other), key
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
+    """`--sweep-dir`: killed with SIGKILL after the first checkpoint, started again, the sweep resumes
+    and gives every figure of a run without a sweep; `--status` shows the run in between."""
+    import signal
+    import time
+
+    sizes = ["--seeds", "0", "--steps", "30", "--width", "32", "--layers", "1,1,1", "--context", "64"]
+    command = [sys.executable, str(SCRIPT), *sizes, "--batch-size", "4", "--eval-bytes", "512"]
+    plain = tmp_path / "plain.json"
+    assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=300).returncode == 0
+    folder = tmp_path / "sweep"
+    swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
+    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while (
+        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL and not (folder / "results.jsonl").exists()
+    status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
+    assert "running  lslm/gpt2/seed0" in status.stdout and "0 done, 1 running, 2 left" in status.stdout
+    resumed = tmp_path / "resumed.json"
+    assert subprocess.run([*swept, "--json", str(resumed)], capture_output=True, timeout=300).returncode == 0
+    timing = ("train_seconds", "eval_seconds", "wall_seconds", "run", "family", "arm")
+
+    def figures(path):
+        return [
+            {k: v for k, v in run.items() if k not in timing} for run in json.loads(path.read_text())["runs"]
+        ]
+
+    assert figures(resumed) == figures(plain)
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 3

@@ -284,7 +284,8 @@ def run_resumable(
     its record; `finish_fn(history)` gives the run's figures (evaluation). The objects of `stateful`
     (model, optimizer, scheduler, batch generator) must be built as for a fresh run before the call: a
     checkpoint then overwrites their state. A run already in `results.jsonl` is returned as recorded,
-    not run again. A checkpoint is written every `checkpoint_minutes` (0: after every step) and after
+    not run again. The result holds `train_seconds` (training over every resume) and `wall_seconds`
+    (with `finish_fn`). A checkpoint is written every `checkpoint_minutes` (0: after every step) and after
     the last step; the result line is appended, then the checkpoint removed."""
     folder = Path(folder)
     done = read_results(folder).get(spec.key)
@@ -301,7 +302,10 @@ def run_resumable(
         if now - last_saved >= 60 * checkpoint_minutes or step + 1 == steps:
             save_checkpoint(folder, spec, stateful, step + 1, steps, history, elapsed + now - started)
             last_saved = now
+    trained = elapsed + time.monotonic() - started
     figures = finish_fn(history)
+    # The training time over every process that took part; finish_fn's own clock saw only the last.
+    figures = dict(figures, train_seconds=trained)
     record = finish_run(folder, spec, figures, elapsed + time.monotonic() - started)
     remove_checkpoint(folder, spec)
     return record
