@@ -33,11 +33,11 @@ per-seed values and curves in `--json`; `--png` draws them (matplotlib, the `plo
 a smoke run (tiny model, a few steps, one seed).
 
 `--sweep-dir DIR` runs the same jobs as a resumable sweep (`hf_concept.training.sweep`): a manifest of
-the runs (one per from-scratch configuration and seed, one CT run per seed), a checkpoint of each
-from-scratch run every `--checkpoint-minutes`, one line per finished run in `DIR/results.jsonl`; started
-again after a kill, it skips the finished runs and resumes the others to the results an uninterrupted
-sweep gives. A CT run is not checkpointed inside (it starts over if killed). `--status` prints each run
-as done / running / left with time estimates, and trains nothing.
+the runs (per seed: each from-scratch configuration; CT's pretraining, then each converted model and
+the source continued, the pretrained source kept in `DIR/models`), a checkpoint of each run every
+`--checkpoint-minutes`, one line per finished run in `DIR/results.jsonl`; started again after a kill,
+it skips the finished runs and resumes the others to the results an uninterrupted sweep gives.
+`--status` prints each run as done / running / left with time estimates, and trains nothing.
 
     python benchmarks/reproduce_conceptmoe.py [--seeds 0,1,2] [--steps 300] [--pretrain-steps 400]
         [--continue-steps 200] [--width 64] [--layers 2,4,2] [--context 256] [--batch-size 16]
@@ -50,7 +50,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
+import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -349,60 +351,111 @@ def mixtral_source(args: argparse.Namespace, seed: int, vocab_size: int, pad_id:
 
 
 def ct_job(args: argparse.Namespace, seed: int) -> dict:
-    """Pretrain the source, convert it at each CT ratio, continue every model on the same new batches."""
-    from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
-
+    """Pretrain the source, convert it at each CT ratio, continue every model on the same new batches.
+    Under `--sweep-dir` each of these is a resumable run of the sweep, the pretrained source kept in
+    `DIR/models` for the runs that continue it."""
     torch.set_num_threads(args.threads)
     data = reproduce_dlcm.load_data_once(args)
     start = time.perf_counter()
-    source = mixtral_source(args, seed, data["vocab_size"], data["pad_id"])
-    pretrain = train(source, args, seed, data["rows"], args.pretrain_steps, args.lr)
-    pretrained = evaluate(source, data["heldout"], args.context)
-    print(f"[seed {seed}] CT source pretrained: held-out loss {pretrained['loss']:.4f}", flush=True)
-    # Continued training draws batches the pretraining did not (another stream), the same for every model.
-    continue_seed = seed + 1000
-    rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        source.save_pretrained(Path(folder) / "source")
-        for ratio in CT_RATIOS:
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(args.sweep_dir) / "models" if args.sweep_dir else Path(scratch)
+        source = folder / f"ct-source-seed{seed}"
+        pretrain = ct_pretrain(args, seed, data, source)
+        rows = [ct_continue(args, seed, data, source, ratio, Path(scratch)) for ratio in CT_RATIOS]
+        continued = ct_continue(args, seed, data, source, None, Path(scratch))
+    rows.insert(0, dict(continued, converted=pretrain["pretrained"]))
+    seconds = time.perf_counter() - start
+    return dict(part="ct", seed=seed, pretrained=pretrain["pretrained"], pretrain=pretrain["pretrain"],
+                models=rows, seconds=seconds)  # fmt: skip
+
+
+def sweep_folder(args: argparse.Namespace) -> Path | None:
+    return Path(args.sweep_dir) if args.sweep_dir else None
+
+
+def ct_pretrain(args: argparse.Namespace, seed: int, data: dict, path: Path) -> dict:
+    """The CT source pretrained for `--pretrain-steps` and saved at `path`; its held-out figures."""
+
+    def build():
+        source = mixtral_source(args, seed, data["vocab_size"], data["pad_id"])
+        stateful, step = trainer(source, args, seed, data["rows"], args.pretrain_steps, args.lr)
+
+        def finish(history: list[dict]) -> dict:
+            pretrained = evaluate(source, data["heldout"], args.context)
+            print(f"[seed {seed}] CT source pretrained: held-out loss {pretrained['loss']:.4f}", flush=True)
+            save_whole(source, path)
+            return dict(pretrained=pretrained, pretrain=history)
+
+        return stateful, step, finish
+
+    spec = ct_spec(args, seed, "ct-pretrain")
+    return sweep.run_or_resume(sweep_folder(args), spec, build, args.pretrain_steps, args.checkpoint_minutes)
+
+
+def save_whole(model: torch.nn.Module, path: Path) -> None:
+    """`model.save_pretrained(path)` through a staging folder renamed into place: a kill leaves no
+    half-saved source where a later run would load it."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    # A copy saved before a kill that came before its run's result line: this one is the same.
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+
+
+def ct_continue(
+    args: argparse.Namespace, seed: int, data: dict, source: Path, ratio: float | None, scratch: Path
+) -> dict:
+    """The pretrained `source` (ratio None) or its conversion at `ratio` (matched top-k), continued for
+    `--continue-steps` on batches the pretraining did not draw (the same for every model)."""
+    from transformers import MixtralForCausalLM
+
+    from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
+
+    def build():
+        if ratio is None:
+            model, figures = MixtralForCausalLM.from_pretrained(source, dtype=torch.float32), {}
+        else:
             fields = dict(backbone(args, data["vocab_size"], data["pad_id"]), compression_ratio=ratio,
                           encoder_layers=args.layers[0], decoder_layers=args.layers[2])  # fmt: skip
             top_k, flops = matched_top_k(fields, args.context)
             path = convert_to_conceptmoe(
-                Path(folder) / "source", Path(folder) / f"R{ratio:g}", encoder_layers=args.layers[0],
+                source, scratch / f"R{ratio:g}", encoder_layers=args.layers[0],
                 decoder_layers=args.layers[2], compression_ratio=ratio, experts_per_token=top_k, seed=seed,
             )  # fmt: skip
             model = ConceptMoEForCausalLM.from_pretrained(path, dtype=torch.float32)
             converted = evaluate(model, data["heldout"], args.context)
-            history = train(model, args, continue_seed, data["rows"], args.continue_steps, args.continue_lr)
+            figures = dict(ratio=ratio, concept_top_k=top_k, matmul_flops=flops, converted=converted)
+        stateful, step = trainer(
+            model, args, seed + 1000, data["rows"], args.continue_steps, args.continue_lr
+        )
+
+        def finish(history: list[dict]) -> dict:
             heldout = evaluate(model, data["heldout"], args.context)
-            print(
-                f"[seed {seed}] CT R={ratio:g} (top-{top_k}): converted {converted['loss']:.4f}, continued "
-                f"{heldout['loss']:.4f}, inference ratio {heldout['inference_ratio']:.2f}",
-                flush=True,
-            )
-            rows.append(
-                dict(name=f"converted R={ratio:g}", ratio=ratio, concept_top_k=top_k, matmul_flops=flops,
-                     converted=converted, heldout=heldout, history=history)
-            )  # fmt: skip
-    history = train(source, args, continue_seed, data["rows"], args.continue_steps, args.continue_lr)
-    heldout = evaluate(source, data["heldout"], args.context)
-    print(f"[seed {seed}] CT source continued: held-out loss {heldout['loss']:.4f}", flush=True)
-    rows.insert(0, dict(name="source continued", converted=pretrained, heldout=heldout, history=history))
-    seconds = time.perf_counter() - start
-    record = dict(
-        part="ct", seed=seed, pretrained=pretrained, pretrain=pretrain, models=rows, seconds=seconds
+            if ratio is None:
+                print(f"[seed {seed}] CT source continued: held-out loss {heldout['loss']:.4f}", flush=True)
+                return dict(name="source continued", heldout=heldout, history=history)
+            print(f"[seed {seed}] CT R={ratio:g} (top-{figures['concept_top_k']}): converted "
+                  f"{figures['converted']['loss']:.4f}, continued {heldout['loss']:.4f}, inference ratio "
+                  f"{heldout['inference_ratio']:.2f}", flush=True)  # fmt: skip
+            return dict(figures, name=f"converted R={ratio:g}", heldout=heldout, history=history)
+
+        return stateful, step, finish
+
+    spec = ct_spec(args, seed, "ct-source" if ratio is None else f"ct-R{ratio:g}")
+    record = sweep.run_or_resume(
+        sweep_folder(args), spec, build, args.continue_steps, args.checkpoint_minutes
     )
-    if args.sweep_dir:
-        # One unit of the sweep: recorded when whole, started over if killed before.
-        return sweep.finish_run(args.sweep_dir, ct_spec(args, seed), record, seconds)
-    return record
+    # The model's figures only: a sweep's bookkeeping (run, arm, times) stays in its results file.
+    kept = ("name", "ratio", "concept_top_k", "matmul_flops", "converted", "heldout", "history")
+    return {key: record[key] for key in kept if key in record}
 
 
 def run_jobs(args: argparse.Namespace) -> list[dict]:
     """Every job, the longest (CT) first, in `args.workers` processes (in this one for a single worker).
     Under `--sweep-dir`, a run already in the sweep's results is taken from there, not run again."""
-    jobs = [(ct_spec(args, seed), ct_job, (args, seed)) for seed in args.seeds]
+    # A CT job looks up its own runs (pretraining, then each continued model).
+    jobs = [(None, ct_job, (args, seed)) for seed in args.seeds]
     jobs += [
         (scratch_spec(args, name, seed), scratch_job, (args, name, seed))
         for seed in args.seeds
@@ -410,12 +463,13 @@ def run_jobs(args: argparse.Namespace) -> list[dict]:
     ]
     done = sweep.read_results(args.sweep_dir) if args.sweep_dir else {}
     if args.workers == 1:
-        return [done.get(spec.key) or function(*job_args) for spec, function, job_args in jobs]
+        return [(spec and done.get(spec.key)) or function(*job_args) for spec, function, job_args in jobs]
     # spawn: a forked child would inherit the parent's torch thread pools.
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
         futures = [
-            done.get(spec.key) or pool.submit(function, *job_args) for spec, function, job_args in jobs
+            (spec and done.get(spec.key)) or pool.submit(function, *job_args)
+            for spec, function, job_args in jobs
         ]
         return [entry if isinstance(entry, dict) else entry.result() for entry in futures]
 
@@ -431,14 +485,21 @@ def scratch_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpe
     return sweep.RunSpec("conceptmoe", name, seed, settings)
 
 
-def ct_spec(args: argparse.Namespace, seed: int) -> sweep.RunSpec:
-    settings = run_settings(args, "pretrain_steps", "continue_steps", "lr", "continue_lr")
-    return sweep.RunSpec("conceptmoe", "ct", seed, dict(settings, ratios=list(CT_RATIOS)))
+CT_ARMS = ("ct-pretrain", *(f"ct-R{ratio:g}" for ratio in CT_RATIOS), "ct-source")
+
+
+def ct_spec(args: argparse.Namespace, seed: int, arm: str) -> sweep.RunSpec:
+    """A CT run: "ct-pretrain", "ct-R<ratio>" (converted, continued) or "ct-source" (continued)."""
+    pretraining = run_settings(args, "pretrain_steps", "lr")
+    if arm == "ct-pretrain":
+        return sweep.RunSpec("conceptmoe", arm, seed, pretraining)
+    settings = dict(pretraining, continue_steps=args.continue_steps, continue_lr=args.continue_lr)
+    return sweep.RunSpec("conceptmoe", arm, seed, settings)
 
 
 def sweep_specs(args: argparse.Namespace) -> list[sweep.RunSpec]:
     """The sweep's manifest runs, in `run_jobs`' order."""
-    runs = [ct_spec(args, seed) for seed in args.seeds]
+    runs = [ct_spec(args, seed, arm) for seed in args.seeds for arm in CT_ARMS]
     return runs + [scratch_spec(args, name, seed) for seed in args.seeds for name in SCRATCH]
 
 

@@ -153,6 +153,23 @@ def test_results_are_appended_one_run_at_a_time_and_a_done_run_is_skipped(tmp_pa
     assert json.loads(lines[1])["n"] == 2
 
 
+def test_run_or_resume_builds_nothing_for_a_done_run_and_runs_plainly_without_a_sweep(tmp_path):
+    built = []
+
+    def build():
+        built.append(True)
+        return (
+            {},
+            lambda step: {"loss": float(step)},
+            lambda history: {"losses": [e["loss"] for e in history]},
+        )
+
+    assert sweep.run_or_resume(None, toy_spec(), build, 3) == {"losses": [0.0, 1.0, 2.0]}
+    assert not (tmp_path / sweep.RESULTS).exists() and len(built) == 1
+    first = sweep.run_or_resume(tmp_path, toy_spec(), build, 3)
+    assert sweep.run_or_resume(tmp_path, toy_spec(), build, 3) == first and len(built) == 2
+
+
 def test_the_status_view_counts_runs_and_estimates_from_the_same_arm(tmp_path, capsys):
     runs = [RunSpec("f", "a", 0), RunSpec("f", "a", 1), RunSpec("f", "b", 0), RunSpec("f", "a", 2)]
     manifest = json.loads(json.dumps(sweep.manifest_of(runs)))

@@ -232,6 +232,7 @@ def save_checkpoint(
         python_rng=random.getstate(),
         numpy_rng=numpy.random.get_state(),
     )
+    weights.parent.mkdir(parents=True, exist_ok=True)
     temporary = weights.with_name(f".{weights.name}.tmp-{os.getpid()}")
     torch.save(state, temporary)
     with open(temporary, "rb+") as handle:
@@ -309,6 +310,26 @@ def run_resumable(
     record = finish_run(folder, spec, figures, elapsed + time.monotonic() - started)
     remove_checkpoint(folder, spec)
     return record
+
+
+def run_or_resume(
+    folder: Path | None,
+    spec: RunSpec,
+    build: Callable[[], tuple[Mapping[str, Any], Callable[[int], dict], Callable[[list[dict]], dict]]],
+    steps: int,
+    checkpoint_minutes: float = 5.0,
+) -> dict:
+    """`build()`'s run (its stateful objects, step and finish functions, as `run_resumable` takes them):
+    without a sweep `folder`, its `steps` steps and finish in one go; in a sweep, resumed from its
+    checkpoint, or its recorded result without building anything when it is done."""
+    if folder is not None:
+        done = read_results(folder).get(spec.key)
+        if done is not None:
+            return done
+    stateful, step, finish = build()
+    if folder is None:
+        return finish([step(index) for index in range(steps)])
+    return run_resumable(spec, folder, stateful, step, steps, finish, checkpoint_minutes)
 
 
 def finish_run(folder: Path, spec: RunSpec, figures: dict, wall_seconds: float) -> dict:
