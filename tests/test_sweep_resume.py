@@ -134,6 +134,22 @@ def test_a_sweep_folder_refuses_another_manifest_naming_the_field(tmp_path):
         sweep.open_sweep(tmp_path, [toy_spec(seed=0), toy_spec(seed=1), toy_spec(seed=2)])
 
 
+def test_a_sweep_folder_in_use_by_another_process_is_refused_until_it_ends(tmp_path):
+    holder = (
+        "import fcntl, sys, time; handle = open(sys.argv[1], 'a+'); handle.write('pid 1234 on elsewhere'); "
+        "handle.flush(); fcntl.flock(handle, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", holder, str(tmp_path / sweep.LOCK)], stdout=subprocess.PIPE
+    )
+    assert process.stdout.readline() == b"held\n"
+    with pytest.raises(sweep.SweepError, match="in use by pid 1234 on elsewhere"):
+        sweep.open_sweep(tmp_path, [toy_spec()])
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert sweep.open_sweep(tmp_path, [toy_spec()])["runs"][0]["run"] == toy_spec().key
+
+
 def test_results_are_appended_one_run_at_a_time_and_a_done_run_is_skipped(tmp_path):
     first = toy_run(tmp_path, 5)
     calls = []

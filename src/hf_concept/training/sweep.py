@@ -11,6 +11,8 @@ A sweep folder (`--sweep-dir DIR` of a reproduction script) holds:
   `checkpoint_minutes` (and after the last step) by temp file + fsync + rename: a kill at any moment leaves
   the previous checkpoint or the new one, never a torn file. A run resumed from it computes the very same
   steps as one that was never stopped (same thread count: the manifest's settings should name it).
+- `.lock`: held (`flock`) by the process running the sweep, so that a second start on the same folder
+  is refused while the first lives; the kernel drops it when that process ends, however it ends.
 - `results.jsonl`: one JSON line per finished run, appended with one write and fsync; a run listed there is
   never run again. Its checkpoint is removed once the line is on disk.
 
@@ -25,9 +27,11 @@ reusable by any training loop (and tests import it like any other module).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import random
+import socket
 import statistics
 import sys
 import time
@@ -42,6 +46,9 @@ import torch
 MANIFEST = "manifest.json"
 RESULTS = "results.jsonl"
 CHECKPOINTS = "checkpoints"
+LOCK = ".lock"
+# Sweep folders this process holds the lock of (an open file per folder, kept until the process ends).
+_HELD: dict[Path, Any] = {}
 MANIFEST_FORMAT = 1
 
 
@@ -176,6 +183,7 @@ def open_sweep(folder: Path, runs: list[RunSpec]) -> dict:
     manifest = json.loads(json.dumps(manifest))
     path = folder / MANIFEST
     (folder / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+    lock_sweep(folder)
     if path.exists():
         saved = json.loads(path.read_text(encoding="utf-8"))
         differing = first_difference(saved, manifest)
@@ -187,6 +195,28 @@ def open_sweep(folder: Path, runs: list[RunSpec]) -> dict:
         return saved
     atomic_write_json(path, manifest)
     return manifest
+
+
+def lock_sweep(folder: Path) -> None:
+    """Hold `DIR/.lock` for the rest of this process (the kernel drops a `flock` when its holder ends, a
+    SIGKILL included): a second process started on the same sweep is refused at once, naming the
+    holder, instead of running the same runs twice. Worker processes run under their parent's lock."""
+    folder = Path(folder).resolve()
+    if folder in _HELD:
+        return
+    handle = open(folder / LOCK, "a+", encoding="utf-8")  # noqa: SIM115 (kept open: the lock lives with it)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SweepError(f"--sweep-dir {folder}: in use by {holder}; see its --status") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    handle.flush()
+    _HELD[folder] = handle
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
