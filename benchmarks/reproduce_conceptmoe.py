@@ -660,23 +660,9 @@ def draw(runs: list[dict], path: str) -> bool:
     return True
 
 
-def open_sweep_or_exit(args: argparse.Namespace) -> bool:
-    """Under `--sweep-dir`: print the status (`--status`; True: nothing more to do) or open the sweep;
-    a folder of another sweep, or no sweep for `--status`, exits 2 with its one-line reason."""
-    try:
-        if args.status:
-            print(sweep.format_status(sweep.read_status(Path(args.sweep_dir))))
-            return True
-        sweep.open_sweep(Path(args.sweep_dir), sweep_specs(args))
-    except sweep.SweepError as error:
-        print(error, file=sys.stderr)
-        raise SystemExit(2) from None
-    return False
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.sweep_dir and open_sweep_or_exit(args):
+    if args.sweep_dir and sweep.open_sweep_or_exit(args, lambda: sweep_specs(args)):
         return {}
     torch.set_num_threads(args.threads)
     start = time.perf_counter()

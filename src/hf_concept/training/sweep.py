@@ -474,6 +474,21 @@ def check_sweep_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(f"--checkpoint-minutes={args.checkpoint_minutes} must be >= 0")
 
 
+def open_sweep_or_exit(args: argparse.Namespace, runs: Callable[[], list[RunSpec]]) -> bool:
+    """A reproduction script's `--sweep-dir` step: print the status (`--status`; True: nothing more to do)
+    or open the sweep of `runs()`; a folder of another sweep, or no sweep for `--status`, exits 2 with its
+    one-line reason."""
+    try:
+        if args.status:
+            print(format_status(read_status(Path(args.sweep_dir))))
+            return True
+        open_sweep(Path(args.sweep_dir), runs())
+    except SweepError as error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Status of a sweep folder: each run done / running / left.")
     parser.add_argument("sweep_dir", help="the folder given as --sweep-dir")
