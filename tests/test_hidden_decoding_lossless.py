@@ -172,3 +172,51 @@ def test_a_smollm2_shaped_model_converts_without_loss(tmp_path):
                 assert difference <= TOLERANCE, (num_streams, difference)
             else:
                 assert difference > 0.1, (num_streams, difference)
+
+
+def _copies_model(**overrides) -> HiddenDecodingForCausalLM:
+    """A tiny token-block model whose S stream tables are equal, as a fresh conversion leaves them."""
+    from tests.conformance.families import _hidden_decoding_token_block_config
+
+    config = _hidden_decoding_token_block_config(**overrides)
+    torch.manual_seed(0)
+    model = HiddenDecodingForCausalLM(config).train()
+    weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        first = weight.view(config.vocab_size, config.num_streams, -1)[:, :1]
+        weight.copy_(first.expand(-1, config.num_streams, -1).reshape_as(weight))
+    return model
+
+
+def _stays_source_warnings(model, caplog) -> list[str]:
+    import logging
+
+    input_ids = torch.randint(3, 60, (2, 10), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+    return [r.getMessage() for r in caplog.records if "the streams stay copies" in r.getMessage()]
+
+
+@pytest.mark.parametrize("supervision", ["sum", "all_streams"])
+def test_a_symmetric_loss_on_equal_tables_warns_once_and_the_streams_get_equal_gradients(supervision, caplog):
+    """Under token-block layers a stream-symmetric loss gives every stream the same gradient, so training
+    could never make the streams differ: the model says so once."""
+    model = _copies_model(stream_supervision=supervision)
+    (message,) = _stays_source_warnings(model, caplog)
+    assert supervision in message and "stream_supervision='final'" in message
+    config = model.config
+    grads = model.model.embed_tokens.weight.grad.view(config.vocab_size, config.num_streams, -1)
+    torch.testing.assert_close(grads, grads[:, :1].expand_as(grads), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(stream_supervision="final"),
+        dict(stream_supervision="sum", cross_stream_mask="causal", cross_stream_positions="expanded"),
+    ],
+    ids=["final-supervision", "paper-form"],
+)
+def test_nothing_is_said_when_training_can_break_the_symmetry(overrides, caplog):
+    assert _stays_source_warnings(_copies_model(**overrides), caplog) == []

@@ -69,6 +69,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.utils import logging
 
 from .configuration_hidden_decoding import HiddenDecodingConfig
 from .forward_only_cache import adopt_cache
@@ -92,6 +93,8 @@ from .streams import (
     interleave_streams,
     token_aligned_weights,
 )
+
+logger = logging.get_logger(__name__)
 
 # Model-internal states, per stream: (B, S, L, D) "stream-major". Intra layers see it as (B·S, L, D);
 # local/full layers as the interleaved (B, L·S, D).
@@ -408,6 +411,8 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
         if not kwargs.pop(LOSS_IN_FORWARD, False):
             warn_loss_terms_dropped(self, "Hidden Decoding", self.extra_loss_terms())
+        if self.training and torch.is_grad_enabled():
+            self.warn_if_streams_stay_copies()
         use_cache = self.config.use_cache if use_cache is None else use_cache
         stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
         batch, _, length, _ = stream_states.shape
@@ -450,6 +455,37 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             stream_states=self.norm(stream_states) if output_stream_states else None,
         )
         return output.to_tuple() if return_dict is False else output
+
+    def warn_if_streams_stay_copies(self) -> None:
+        """Warn, once per model, when training cannot make the streams differ: every layer treats a token's
+        streams alike (intra layers and token positions; token-block cross layers, or none), the loss is
+        symmetric in them ("sum", "all_streams") and the tables are equal (a fresh lossless conversion).
+        Every stream then gets the same gradient, the tables stay equal and the model stays its source."""
+        if getattr(self, "_checked_stream_symmetry", False):
+            return
+        self._checked_stream_symmetry = True
+        config, streams = self.config, self.num_streams
+        cross = {"local", "full"} & set(config.stream_attention_layout)
+        symmetric_layers = (
+            config.intra_stream_positions == "token"
+            and config.stream_kv != "shared"
+            and (
+                not cross
+                or (config.cross_stream_mask, config.cross_stream_positions) == ("token_block", "token")
+            )
+        )
+        if streams == 1 or config.stream_supervision == "final" or not symmetric_layers:
+            return
+        # (V, S, D): row v holds [E_1(v) | … | E_S(v)].
+        tables = self.embed_tokens.weight.detach().view(config.vocab_size, streams, -1)
+        if torch.equal(tables, tables[:, :1].expand_as(tables)):
+            logger.warning(
+                f"Hidden Decoding: stream_supervision={config.stream_supervision!r} with equal stream tables "
+                "and stream-symmetric layers (token-block cross layers, token positions) gives every stream "
+                "the same gradient: the streams stay copies and the model stays its source. Train with "
+                "stream_supervision='final', or convert with --cross-stream-mask causal "
+                "--cross-stream-positions expanded."
+            )
 
     def extra_loss_terms(self) -> list[str]:
         """The loss terms beyond the logits' cross-entropy, which only the causal LM's forward adds."""
