@@ -65,7 +65,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,21 +256,36 @@ def accumulated_steps(
     over `steps`, one step per (B, L) batch of `batches`, each in `accumulation` micro-batches whose
     losses are normalised as `Trainer` does (`num_items_in_batch`), gradients clipped at 1.0. Yields, after
     each optimizer step, its (micro-batch, model output) pairs. Draws nothing from torch's generator."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, steps))
+    optimizer, schedule = optimizer_and_schedule(model, lr, steps)
     model.train()
     for batch in batches:
-        items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
-        optimizer.zero_grad(set_to_none=True)
-        outputs = []
-        for micro in batch.chunk(accumulation):
-            output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
-            output.loss.backward()
-            outputs.append((micro, output))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        yield outputs
+        yield optimizer_step(model, optimizer, schedule, batch, accumulation)
+
+
+def optimizer_and_schedule(model: nn.Module, lr: float, steps: int, weight_decay: float = 0.01) -> tuple:
+    """AdamW at peak `lr` and its `learning_rate_factor` schedule over `steps` (held by the caller, so that
+    a sweep can checkpoint them)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, steps))
+    return optimizer, schedule
+
+
+def optimizer_step(
+    model: nn.Module, optimizer, schedule, batch: torch.Tensor, accumulation: int
+) -> list[tuple[torch.Tensor, Any]]:
+    """One optimizer step on a (B, L) batch in `accumulation` micro-batches, losses normalised as `Trainer`
+    does (`num_items_in_batch`), gradients clipped at 1.0. Returns the (micro-batch, output) pairs."""
+    items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
+    optimizer.zero_grad(set_to_none=True)
+    outputs = []
+    for micro in batch.chunk(accumulation):
+        output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
+        output.loss.backward()
+        outputs.append((micro, output))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    return outputs
 
 
 def pyplot_or_none(path: str):
@@ -318,35 +333,44 @@ def train(
     clipping, the gradients of the group that the step does not update are dropped. Batches are crops of
     `rows` (default `train_token_rows()`); `history`, when given, receives one dict per step: the loss
     and the output's scalar metrics (an LSLM's boundary rates, for instance)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: learning_rate_factor(step, args.steps)
-    )
-    rows, rng = rows if rows is not None else train_token_rows(), random.Random(args.seed)
+    _, step = trainer(model, args, generator_steps, rows if rows is not None else train_token_rows())
+    records = [step(index) for index in range(args.steps)]
+    if history is not None:
+        history.extend(records)
+    tail = [record["loss"] for record in records[-max(1, len(records) // 10) :]]
+    return sum(tail) / len(tail)
+
+
+def trainer(
+    model: nn.Module, args: argparse.Namespace, generator_steps: int | None, rows: list[torch.Tensor]
+) -> tuple[dict, Callable[[int], dict]]:
+    """`train`'s state (model, AdamW, schedule, the seed's batch generator), held apart so that a sweep can
+    checkpoint it, and its step i, which returns the step's record: the loss and the output's scalar
+    metrics (`step_metrics`)."""
+    optimizer, schedule = optimizer_and_schedule(model, args.lr, args.steps, args.weight_decay)
+    rng = random.Random(args.seed)
     # The LSLM samples its training boundaries with torch's generator: seeded, so a run is repeatable.
     torch.manual_seed(args.seed)
     model.train()
-    losses = []
-    for step in range(args.steps):
-        batch = sample_batch(rows, args.batch_size, args.context, rng)
+
+    def step(index: int) -> dict:
+        batch = sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
         output = model(input_ids=batch, labels=batch)
-        loss = output.loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        output.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if generator_steps is not None:
-            drop_other_group_gradients(model, step, generator_steps)
+            drop_other_group_gradients(model, index, generator_steps)
         optimizer.step()
         schedule.step()
-        losses.append(loss.item())
-        if history is not None:
-            history.append(dict(step_metrics(output), loss=losses[-1]))
-        if (step + 1) % max(1, args.steps // 10) == 0 or step + 1 == args.steps:
+        record = dict(step_metrics(output), loss=output.loss.item())
+        if (index + 1) % max(1, args.steps // 10) == 0 or index + 1 == args.steps:
             rate = getattr(output, "boundary_rate", None)
             sampled = "" if rate is None else f"  sampled boundary rate {rate.item():.3f}"
-            print(f"  step {step + 1}/{args.steps}  loss {loss.item():.3f}{sampled}", flush=True)
-    tail = losses[-max(1, len(losses) // 10) :]
-    return sum(tail) / len(tail)
+            print(f"  step {index + 1}/{args.steps}  loss {record['loss']:.3f}{sampled}", flush=True)
+        return record
+
+    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
 
 
 def step_metrics(output) -> dict[str, float]:

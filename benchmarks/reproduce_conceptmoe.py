@@ -205,25 +205,6 @@ def compute_table(args: argparse.Namespace, vocab_size: int, pad_id: int) -> lis
 # ---------------------------------------------------------------------------------------------- training
 
 
-def optimizer_step(
-    model: torch.nn.Module, optimizer, schedule, batch: torch.Tensor, accumulation: int
-) -> list[tuple[torch.Tensor, object]]:
-    """One step of `runner.accumulated_steps` (the same operations in the same order), on an optimizer
-    and schedule held by the caller, so that a sweep can checkpoint them: `accumulation` micro-batches
-    normalised as `Trainer` does, gradients clipped at 1.0. Returns the (micro-batch, output) pairs."""
-    items = torch.tensor(batch.shape[0] * (batch.shape[1] - 1))
-    optimizer.zero_grad(set_to_none=True)
-    outputs = []
-    for micro in batch.chunk(accumulation):
-        output = model(input_ids=micro, labels=micro, num_items_in_batch=items)
-        output.loss.backward()
-        outputs.append((micro, output))
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    schedule.step()
-    return outputs
-
-
 def step_record(outputs: list, concept: bool) -> dict:
     """A step's record: the loss, and for a ConceptMoE the LM loss and both realised ratios of the step's
     tokens (sampled, and thresholded as inference)."""
@@ -253,16 +234,14 @@ def trainer(
     concept = isinstance(model, ConceptMoEForCausalLM)
     if concept:
         model.ratio_accumulator = accumulator if model.config.ratio_scope == "global" else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: runner.learning_rate_factor(step, steps)
-    )
+    optimizer, schedule = runner.optimizer_and_schedule(model, lr, steps)
     model.train()
 
     def step(index: int) -> dict:
         batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
         accumulator.reset(batch.numel())
-        return step_record(optimizer_step(model, optimizer, schedule, batch, args.accumulation), concept)
+        outputs = runner.optimizer_step(model, optimizer, schedule, batch, args.accumulation)
+        return step_record(outputs, concept)
 
     return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
 

@@ -55,11 +55,9 @@ prints each run as done / running / left with time estimates, and trains nothing
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,7 +74,6 @@ from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
 from hf_concept.training import sweep
-from hf_concept.training.lslm import drop_other_group_gradients
 from hf_concept.utils import eval_mode
 
 MODELS = ("gpt2", "lslm", "dtp")
@@ -300,41 +297,6 @@ def evaluate_segmenter(model, shared: argparse.Namespace, texts: dict[str, str])
     return dict(languages=per_language, pooled_rate=opened / max(1, scored))
 
 
-def trainer(
-    model: torch.nn.Module, shared: argparse.Namespace, generator_steps: int | None, rows: list[torch.Tensor]
-) -> tuple[dict, Callable[[int], dict]]:
-    """`runner.train`'s state (model, AdamW, schedule, the seed's batch generator) and its step i, the same
-    operations in the same order, held here so that a sweep can checkpoint them. A step returns its
-    record: the loss and the output's scalar metrics (`runner.step_metrics`)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=shared.lr, weight_decay=shared.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: runner.learning_rate_factor(step, shared.steps)
-    )
-    rng = random.Random(shared.seed)
-    # The LSLM samples its training boundaries with torch's generator: seeded, so a run is repeatable.
-    torch.manual_seed(shared.seed)
-    model.train()
-
-    def step(index: int) -> dict:
-        batch = runner.sample_batch(rows, shared.batch_size, shared.context, rng)  # (B, L)
-        output = model(input_ids=batch, labels=batch)
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if generator_steps is not None:
-            drop_other_group_gradients(model, index, generator_steps)
-        optimizer.step()
-        schedule.step()
-        record = dict(runner.step_metrics(output), loss=output.loss.item())
-        if (index + 1) % max(1, shared.steps // 10) == 0 or index + 1 == shared.steps:
-            rate = getattr(output, "boundary_rate", None)
-            sampled = "" if rate is None else f"  sampled boundary rate {rate.item():.3f}"
-            print(f"  step {index + 1}/{shared.steps}  loss {record['loss']:.3f}{sampled}", flush=True)
-        return record
-
-    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
-
-
 def tail_loss(history: list[dict]) -> float:
     """The mean loss over the last 10% of the steps (`runner.train`'s return value)."""
     tail = [step["loss"] for step in history[-max(1, len(history) // 10) :]]
@@ -359,7 +321,7 @@ def run_model(args: argparse.Namespace, name: str, seed: int, fit: dict, texts: 
         f"[seed {seed}] training {name} ({model.num_parameters()} parameters), {args.steps} steps", flush=True
     )
     start = time.perf_counter()
-    stateful, step = trainer(model, shared, generator_steps, token_rows(fit))
+    stateful, step = runner.trainer(model, shared, generator_steps, token_rows(fit))
 
     def finish(history: list[dict]) -> dict:
         return score_model(model, name, seed, shared, texts, history, time.perf_counter() - start)

@@ -106,7 +106,7 @@ def test_the_checkpointable_trainer_takes_the_shared_loops_steps(name):
     rows = [torch.randint(4, 260, (200,), generator=generator) for _ in range(3)]
     model = script.build_model(args, name, 0)
     groups = model.config.update_schedule if name == "lslm" else None
-    _, step = script.trainer(model, shared, groups, rows)
+    _, step = script.runner.trainer(model, shared, groups, rows)
     history = [step(index) for index in range(args.steps)]
     reference, expected = script.build_model(args, name, 0), []
     train_loss = script.runner.train(reference, shared, groups, rows, expected)
