@@ -92,15 +92,23 @@ def _record_texts(records: list[Any], text_field: str, path: Path) -> list[str]:
     return texts
 
 
-def _dataset_texts(path: Path, text_field: str) -> list[str]:
+def load_saved_dataset(path: Path) -> Any:
+    """The `Dataset` or `DatasetDict` that `save_to_disk` wrote to `path` (memory-mapped); a folder it did
+    not write is one line."""
     import datasets
 
     try:
-        loaded = datasets.load_from_disk(str(path))
+        return datasets.load_from_disk(str(path))
     except FileNotFoundError:
         raise TrainSetupError(
             f"data folder {str(path)!r} is not a dataset saved with datasets' save_to_disk"
         ) from None
+
+
+def _dataset_texts(path: Path, text_field: str) -> list[str]:
+    import datasets
+
+    loaded = load_saved_dataset(path)
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise TrainSetupError(f"dataset {path} has splits {sorted(loaded)} but no 'train' split")

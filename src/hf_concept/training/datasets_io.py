@@ -34,6 +34,7 @@ from hf_concept.training.data import (
     TXT_DOCUMENTS,
     check_block_size,
     document_pieces,
+    load_saved_dataset,
     paragraphs,
     split_indices,
 )
@@ -128,12 +129,7 @@ def _load_saved(path: Path, split: str | None, streaming: bool) -> Any:
     """A split of a `save_to_disk` folder (memory-mapped, never read whole)."""
     import datasets
 
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except FileNotFoundError:
-        raise TrainSetupError(
-            f"data folder {str(path)!r} is not a dataset saved with datasets' save_to_disk"
-        ) from None
+    loaded = load_saved_dataset(path)
     if isinstance(loaded, datasets.DatasetDict):
         split = split or DEFAULT_SPLIT
         if split not in loaded:
