@@ -62,6 +62,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -286,6 +287,17 @@ def optimizer_step(
     optimizer.step()
     schedule.step()
     return outputs
+
+
+def save_whole(model: torch.nn.Module, path: Path) -> None:
+    """`model.save_pretrained(path)` through a staging folder renamed into place: a kill leaves no
+    half-saved source where a later run would load it."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    # A copy saved before a kill that came before its run's result line: this one is the same.
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
 
 
 def pyplot_or_none(path: str):

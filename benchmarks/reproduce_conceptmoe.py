@@ -50,9 +50,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
-import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -362,24 +360,13 @@ def ct_pretrain(args: argparse.Namespace, seed: int, data: dict, path: Path) -> 
         def finish(history: list[dict]) -> dict:
             pretrained = evaluate(source, data["heldout"], args.context)
             print(f"[seed {seed}] CT source pretrained: held-out loss {pretrained['loss']:.4f}", flush=True)
-            save_whole(source, path)
+            runner.save_whole(source, path)
             return dict(pretrained=pretrained, pretrain=history)
 
         return stateful, step, finish
 
     spec = ct_spec(args, seed, "ct-pretrain")
     return sweep.run_or_resume(sweep_folder(args), spec, build, args.pretrain_steps, args.checkpoint_minutes)
-
-
-def save_whole(model: torch.nn.Module, path: Path) -> None:
-    """`model.save_pretrained(path)` through a staging folder renamed into place: a kill leaves no
-    half-saved source where a later run would load it."""
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    # A copy saved before a kill that came before its run's result line: this one is the same.
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(staging, path)
 
 
 def ct_continue(

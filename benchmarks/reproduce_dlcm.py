@@ -32,9 +32,15 @@ Figures:
 Mean ± sample std over the seeds; per-seed values and the curves in `--json`; `--png` draws the curves
 (needs matplotlib, the `plots` extra). `--quick` is a smoke run (tiny model, 6 steps, one seed).
 
+`--sweep-dir DIR` runs the same runs as a resumable sweep (`hf_concept.training.sweep`): a manifest of
+the runs (configuration, seed), a checkpoint of each run every `--checkpoint-minutes`, one line per
+finished run in `DIR/results.jsonl`; started again after a kill, it skips the finished runs and resumes
+the others to the figures an uninterrupted run gives. `--status` prints each run as done / running /
+left with time estimates, and trains nothing.
+
     python benchmarks/reproduce_dlcm.py [--seeds 0,1,2] [--steps 400] [--width 64] [--layers 2,3,2]
         [--context 256] [--batch-size 16] [--accumulation 2] [--lr 3e-3] [--threads 2]
-        [--json PATH] [--png PATH] [--quick]
+        [--json PATH] [--png PATH] [--quick] [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,6 +65,7 @@ from hf_concept.data.corpus import corpus_documents
 from hf_concept.modeling.configuration_dlcm import DLCMConfig
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
 from hf_concept.modeling.routing import RatioAccumulator
+from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
 TARGET_RATIO = 4.0
@@ -93,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write every per-seed figure and curve here")
     parser.add_argument("--png", default=None, help="draw the compression curves here (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 6 steps, 1 seed")
+    sweep.add_sweep_flags(parser)
     args = parser.parse_args(argv)
     if args.quick:
         for field, value in QUICK.items():
@@ -104,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--accumulation={args.accumulation} must divide --batch-size={args.batch_size}")
     if args.width % HEAD_WIDTH:
         parser.error(f"--width={args.width} must be a multiple of the head width {HEAD_WIDTH}")
+    sweep.check_sweep_flags(parser, args)
     return args
 
 
@@ -147,44 +157,53 @@ def build_model(
     return DLCMForCausalLM(config)
 
 
-def train(
+def trainer(
     model: DLCMForCausalLM, args: argparse.Namespace, seed: int, rows: list[torch.Tensor]
-) -> list[dict]:
-    """`args.steps` optimizer steps on the seed's batches; one record per step (loss, both ratios)."""
+) -> tuple[dict, Callable[[int], dict]]:
+    """The state a run keeps across a kill (model, AdamW and schedule over `args.steps`, the seed's batch
+    generator) and its step i, which returns the step's record: the loss, the LM loss and both ratios."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     accumulator = RatioAccumulator(args.accumulation)
     model.ratio_accumulator = accumulator if model.config.ratio_scope == "global" else None
+    optimizer, schedule = runner.optimizer_and_schedule(model, args.lr, args.steps)
+    model.train()
 
-    def batches():
-        for _ in range(args.steps):
-            batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
-            accumulator.reset(batch.numel())
-            yield batch
-
-    history = []
-    steps = runner.accumulated_steps(model, batches(), args.steps, args.accumulation, args.lr)
-    for step, outputs in enumerate(steps):
-        tokens = sum(micro.numel() for micro, _ in outputs)
-        sampled = sum(micro.numel() / output.compression_ratio.item() for micro, output in outputs)
-        inference = sum(
-            micro.numel() / output.inference_compression_ratio.item() for micro, output in outputs
-        )
-        history.append(
-            dict(
-                loss=sum(output.loss.item() for _, output in outputs),
-                sampled_ratio=tokens / sampled,
-                inference_ratio=tokens / inference,
-            )
-        )
-        if (step + 1) % max(1, args.steps // 10) == 0 or step + 1 == args.steps:
-            last = history[-1]
+    def step(index: int) -> dict:
+        batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+        accumulator.reset(batch.numel())
+        outputs = runner.optimizer_step(model, optimizer, schedule, batch, args.accumulation)
+        record = step_record(outputs)
+        if (index + 1) % max(1, args.steps // 10) == 0 or index + 1 == args.steps:
             print(
-                f"  step {step + 1}/{args.steps}  loss {last['loss']:.3f}  ratio sampled "
-                f"{last['sampled_ratio']:.2f} inference {last['inference_ratio']:.2f}",
+                f"  step {index + 1}/{args.steps}  loss {record['loss']:.3f}  ratio sampled "
+                f"{record['sampled_ratio']:.2f} inference {record['inference_ratio']:.2f}",
                 flush=True,
             )
-    return history
+        return record
+
+    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
+
+
+def step_record(outputs: list) -> dict:
+    """A step's loss and LM loss (summed over its micro-batches' shares) and its realised ratios."""
+    tokens = sum(micro.numel() for micro, _ in outputs)
+    sampled = sum(micro.numel() / output.compression_ratio.item() for micro, output in outputs)
+    inference = sum(micro.numel() / output.inference_compression_ratio.item() for micro, output in outputs)
+    return dict(
+        loss=sum(output.loss.item() for _, output in outputs),
+        lm_loss=sum(output.lm_loss.item() for _, output in outputs),
+        sampled_ratio=tokens / sampled,
+        inference_ratio=tokens / inference,
+    )
+
+
+def train(
+    model: DLCMForCausalLM, args: argparse.Namespace, seed: int, rows: list[torch.Tensor]
+) -> list[dict]:
+    """`args.steps` optimizer steps on the seed's batches; one record per step (`step_record`)."""
+    _, step = trainer(model, args, seed, rows)
+    return [step(index) for index in range(args.steps)]
 
 
 def heldout_windows(
@@ -235,21 +254,48 @@ def at_fraction(history: list[dict], key: str, fraction: float) -> float:
 
 
 def run(args: argparse.Namespace, name: str, seed: int, data: dict) -> dict:
-    model = build_model(args, name, seed, data["vocab_size"], data["pad_id"])
-    print(f"[seed {seed}] {name}: {model.num_parameters()} parameters, {args.steps} steps", flush=True)
-    start = time.perf_counter()
-    history = train(model, args, seed, data["rows"])
-    train_seconds = time.perf_counter() - start
-    heldout = evaluate(model, data["heldout"], args.context)
-    eval_seconds = time.perf_counter() - start - train_seconds
+    """Train configuration `name` from `seed` and score it; under `--sweep-dir` as a resumable run."""
+
+    def build():
+        model = build_model(args, name, seed, data["vocab_size"], data["pad_id"])
+        print(f"[seed {seed}] {name}: {model.num_parameters()} parameters, {args.steps} steps", flush=True)
+        start = time.perf_counter()
+        stateful, step = trainer(model, args, seed, data["rows"])
+
+        def finish(history: list[dict]) -> dict:
+            train_seconds = time.perf_counter() - start
+            heldout = evaluate(model, data["heldout"], args.context)
+            curve = {key: at_fraction_table(history, key) for key in ("sampled_ratio", "inference_ratio")}
+            return dict(config=name, seed=seed, parameters=model.num_parameters(), heldout=heldout,
+                        curve=curve, history=history, train_seconds=train_seconds,
+                        eval_seconds=time.perf_counter() - start - train_seconds)  # fmt: skip
+
+        return stateful, step, finish
+
+    folder = Path(args.sweep_dir) if args.sweep_dir else None
+    record = sweep.run_or_resume(
+        folder, run_spec(args, name, seed), build, args.steps, args.checkpoint_minutes
+    )
     print(
-        f"[seed {seed}] {name}: held-out loss {heldout['loss']:.3f}, inference ratio "
-        f"{heldout['inference_ratio']:.2f}; train {train_seconds:.0f}s, eval {eval_seconds:.0f}s",
+        f"[seed {seed}] {name}: held-out loss {record['heldout']['loss']:.3f}, inference ratio "
+        f"{record['heldout']['inference_ratio']:.2f}; train {record['train_seconds']:.0f}s, eval "
+        f"{record['eval_seconds']:.0f}s",
         flush=True,
     )
-    curve = {key: at_fraction_table(history, key) for key in ("sampled_ratio", "inference_ratio")}
-    return dict(config=name, seed=seed, parameters=model.num_parameters(), heldout=heldout, curve=curve,
-                history=history, train_seconds=train_seconds, eval_seconds=eval_seconds)  # fmt: skip
+    return record
+
+
+def run_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
+    """The sweep's run of configuration `name` and `seed`, with the flags that change its result (torch
+    threads too: they can move the last bits)."""
+    shared = ("steps", "width", "layers", "context", "batch_size", "accumulation", "lr", "threads")
+    settings = dict({field: getattr(args, field) for field in shared}, changes=CONFIGS[name])
+    return sweep.RunSpec("dlcm", name, seed, settings)
+
+
+def sweep_specs(args: argparse.Namespace) -> list[sweep.RunSpec]:
+    """The sweep's manifest runs, in `main`'s order."""
+    return [run_spec(args, name, seed) for seed in args.seeds for name in CONFIGS]
 
 
 def at_fraction_table(history: list[dict], key: str) -> dict[str, float]:
@@ -390,6 +436,8 @@ def load_data_once(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.sweep_dir and sweep.open_sweep_or_exit(args, lambda: sweep_specs(args)):
+        return {}
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     data = load_data(args)

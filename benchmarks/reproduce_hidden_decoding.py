@@ -38,10 +38,17 @@ continued. Jobs (a pretraining per seed, then one per arm and seed) run in `--wo
 defaults take about 35 minutes with 2 workers of 1 thread on 2 cores (from per-step times measured at
 the default sizes: 0.20 s per source step, 5.05 s per step of all ten arms together).
 
+`--sweep-dir DIR` runs the same jobs as a resumable sweep (`hf_concept.training.sweep`): a manifest of
+the runs (per seed: the pretraining, then every arm), the pretrained sources kept in `DIR/models`, a
+checkpoint of each run every `--checkpoint-minutes` (the progressive arm's phase and expansion figures
+included), one line per finished run in `DIR/results.jsonl`; started again after a kill, it skips the
+finished runs and resumes the others to the figures an uninterrupted sweep gives. `--status` prints each
+run as done / running / left with time estimates, and trains nothing.
+
     python benchmarks/reproduce_hidden_decoding.py [--seeds 0,1,2] [--pretrain-steps 400]
         [--continue-steps 250] [--width 64] [--layers 8] [--context 128] [--batch-size 16]
         [--accumulation 1] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
-        [--json PATH] [--png PATH] [--quick]
+        [--json PATH] [--png PATH] [--quick] [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ import reproduce_dlcm
 
 from hf_concept.conversion.hidden_decoding import compact_layout
 from hf_concept.modeling.configuration_hidden_decoding import default_stream_layout
+from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
 HEAD_WIDTH = 16
@@ -161,8 +169,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak lr of the pretraining")
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
     runner.add_run_flags(parser)
+    sweep.add_sweep_flags(parser)
     counts = ("pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
     args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
+    sweep.check_sweep_flags(parser, args)
     if args.continue_steps < 2:
         parser.error(f"--continue-steps={args.continue_steps} must be >= 2 (progressive: two halves)")
     if args.width % (2 * HEAD_WIDTH):
@@ -252,22 +262,81 @@ def prediction_loss(logits: torch.Tensor, input_ids: torch.Tensor, items: torch.
     return (total / items).item()
 
 
-def train(model: torch.nn.Module, steps: list[torch.Tensor], accumulation: int, lr: float) -> list[dict]:
-    """One AdamW step per batch of `steps` (`eval_bits_per_byte.accumulated_steps`). Per step: the loss
+def trainer(
+    model: torch.nn.Module, steps: list[torch.Tensor], accumulation: int, lr: float
+) -> tuple[dict, Callable[[int], dict]]:
+    """The state a run keeps across a kill (model, AdamW and schedule over `len(steps)`) and its step i:
+    one AdamW step on batch i of `steps` (`eval_bits_per_byte.optimizer_step`). Its record: the loss
     optimised and `lm_loss`, the prediction's own cross-entropy (they differ only under all-stream
     supervision), and the step's seconds."""
     all_streams = getattr(model.config, "stream_supervision", "final") == "all_streams"
-    history = []
-    start = time.perf_counter()
-    for outputs in runner.accumulated_steps(model, steps, len(steps), accumulation, lr):
+    optimizer, schedule = runner.optimizer_and_schedule(model, lr, len(steps))
+    model.train()
+    clock = [time.perf_counter()]
+
+    def step(index: int) -> dict:
+        outputs = runner.optimizer_step(model, optimizer, schedule, steps[index], accumulation)
         loss = sum(output.loss.item() for _, output in outputs)
         lm_loss = loss
         if all_streams:
             items = torch.tensor(sum(micro.shape[0] * (micro.shape[1] - 1) for micro, _ in outputs))
             lm_loss = sum(prediction_loss(output.logits, micro, items) for micro, output in outputs)
-        history.append(dict(loss=loss, lm_loss=lm_loss, seconds=time.perf_counter() - start))
-        start = time.perf_counter()
-    return history
+        now = time.perf_counter()
+        record = dict(loss=loss, lm_loss=lm_loss, seconds=now - clock[0])
+        clock[0] = now
+        return record
+
+    return dict(model=model, optimizer=optimizer, schedule=schedule), step
+
+
+def train(model: torch.nn.Module, steps: list[torch.Tensor], accumulation: int, lr: float) -> list[dict]:
+    """One AdamW step per batch of `steps`; one record per step (`trainer`)."""
+    _, step = trainer(model, steps, accumulation, lr)
+    return [step(index) for index in range(len(steps))]
+
+
+class ArmTraining:
+    """An arm's continued training as a sweep checkpoints it: the model, its AdamW and schedule, and for
+    the progressive arm the phase (0: n = 2 on the first half of the batches, 1: grown to n = 4 on the
+    rest, with a fresh optimizer and schedule) and the held-out losses read at its expansion.
+
+    Growing is part of step `half`, so a run resumed at any step takes the steps an uninterrupted run
+    takes; a checkpoint of phase 1 grows the freshly converted model first, then loads its state."""
+
+    def __init__(self, args: argparse.Namespace, variant: Variant, model, steps: list, data: dict, scratch):
+        self.args, self.variant, self.data, self.scratch = args, variant, data, Path(scratch)
+        self.steps = steps
+        self.half = len(steps) // 2 if variant.expand_to else len(steps)
+        self.phase, self.figures = 0, {}
+        self._start(model, steps[: self.half])
+
+    def _start(self, model: torch.nn.Module, steps: list) -> None:
+        self.model = model
+        self.stateful, self._step = trainer(model, steps, self.args.accumulation, self.args.continue_lr)
+
+    def _grow(self) -> None:
+        self.phase = 1
+        grown = expanded(self.model, self.variant.expand_to, self.scratch)
+        self._start(grown, self.steps[self.half :])
+
+    def step(self, index: int) -> dict:
+        if index == self.half and self.phase == 0:
+            heldout, context = self.data["heldout"], self.args.context
+            self.figures["before_expansion"] = evaluate(self.model, heldout, context)
+            self._grow()
+            self.figures["after_expansion"] = evaluate(self.model, heldout, context)
+        return self._step(index - self.half if self.phase else index)
+
+    def state_dict(self) -> dict:
+        objects = {name: value.state_dict() for name, value in self.stateful.items()}
+        return dict(phase=self.phase, figures=dict(self.figures), objects=objects)
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["phase"] == 1 and self.phase == 0:
+            self._grow()
+        self.figures = dict(state["figures"])
+        for name, value in self.stateful.items():
+            value.load_state_dict(state["objects"][name])
 
 
 @torch.no_grad()
@@ -292,51 +361,88 @@ def source_path(folder: str, seed: int) -> Path:
 
 
 def pretrain_job(args: argparse.Namespace, seed: int, folder: str) -> dict:
-    """Pretrain the seed's Llama source and save it under `folder` for the arms."""
+    """Pretrain the seed's Llama source and save it under `folder` for the arms (under `--sweep-dir` as a
+    resumable run, the source kept in `DIR/models`)."""
     torch.set_num_threads(args.threads)
     data = reproduce_dlcm.load_data_once(args)
-    start = time.perf_counter()
-    source = llama_source(args, seed, data["vocab_size"], data["pad_id"])
-    history = train(
-        source, batches(args, data["rows"], seed, args.pretrain_steps), args.accumulation, args.lr
-    )
-    loss = evaluate(source, data["heldout"], args.context)
-    source.save_pretrained(source_path(folder, seed))
-    seconds = time.perf_counter() - start
-    print(f"[seed {seed}] source pretrained: held-out loss {loss:.4f} ({seconds:.0f} s)", flush=True)
-    return dict(part="pretrain", seed=seed, pretrained=loss, history=history, seconds=seconds,
-                parameters=source.num_parameters())  # fmt: skip
+
+    def build():
+        start = time.perf_counter()
+        source = llama_source(args, seed, data["vocab_size"], data["pad_id"])
+        steps = batches(args, data["rows"], seed, args.pretrain_steps)
+        stateful, step = trainer(source, steps, args.accumulation, args.lr)
+
+        def finish(history: list[dict]) -> dict:
+            loss = evaluate(source, data["heldout"], args.context)
+            runner.save_whole(source, source_path(folder, seed))
+            return dict(part="pretrain", seed=seed, pretrained=loss, history=history,
+                        seconds=time.perf_counter() - start, parameters=source.num_parameters())  # fmt: skip
+
+        return stateful, step, finish
+
+    record = sweep.run_or_resume(
+        sweep_folder(args), run_spec(args, "pretrain", seed), build, args.pretrain_steps,
+        args.checkpoint_minutes,
+    )  # fmt: skip
+    seconds = record.get("wall_seconds", record["seconds"])
+    print(f"[seed {seed}] source pretrained: held-out loss {record['pretrained']:.4f} ({seconds:.0f} s)",
+          flush=True)  # fmt: skip
+    return dict(record, seconds=seconds)
 
 
 def variant_job(args: argparse.Namespace, name: str, seed: int, folder: str) -> dict:
-    """Convert the seed's source into arm `name`, evaluate, continue on the continuation batches, evaluate."""
+    """Convert the seed's source into arm `name`, evaluate, continue on the continuation batches, evaluate
+    (under `--sweep-dir` as a resumable run)."""
     torch.set_num_threads(args.threads)
     data = reproduce_dlcm.load_data_once(args)
     variant = VARIANTS[name]
     start = time.perf_counter()
-    steps = batches(args, data["rows"], seed + CONTINUATION_SEED, args.continue_steps)
-    torch.manual_seed(seed + CONTINUATION_SEED)
-    result = dict(part="variant", name=name, seed=seed)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        model = convert_variant(args, name, source_path(folder, seed), Path(scratch) / "converted")
-        result.update(
-            converted=evaluate(model, data["heldout"], args.context), parameters=model.num_parameters()
-        )
-        if variant.expand_to is None:
-            history = train(model, steps, args.accumulation, args.continue_lr)
-        else:
-            half = len(steps) // 2
-            history = train(model, steps[:half], args.accumulation, args.continue_lr)
-            result["before_expansion"] = evaluate(model, data["heldout"], args.context)
-            model = expanded(model, variant.expand_to, Path(scratch))
-            result["after_expansion"] = evaluate(model, data["heldout"], args.context)
-            history += train(model, steps[half:], args.accumulation, args.continue_lr)
-        result.update(heldout=evaluate(model, data["heldout"], args.context), history=history)
-    result["seconds"] = time.perf_counter() - start
-    layout = compact_layout(model.config.stream_attention_layout) if variant.num_streams > 1 else "-"
-    print(f"[seed {seed}] {name} [{layout}]: converted {result['converted']:.4f}, continued "
-          f"{result['heldout']:.4f} ({result['seconds']:.0f} s)", flush=True)  # fmt: skip
-    return result
+
+        def build():
+            steps = batches(args, data["rows"], seed + CONTINUATION_SEED, args.continue_steps)
+            torch.manual_seed(seed + CONTINUATION_SEED)
+            model = convert_variant(args, name, source_path(folder, seed), Path(scratch) / "converted")
+            result = dict(part="variant", name=name, seed=seed, converted=evaluate(model, data["heldout"],
+                          args.context), parameters=model.num_parameters())  # fmt: skip
+            arm = ArmTraining(args, variant, model, steps, data, scratch)
+
+            def finish(history: list[dict]) -> dict:
+                heldout = evaluate(arm.model, data["heldout"], args.context)
+                layout = arm.model.config.stream_attention_layout if variant.num_streams > 1 else None
+                return dict(result, **arm.figures, heldout=heldout, history=history,
+                            layout=compact_layout(layout) if layout else "-")  # fmt: skip
+
+            return dict(arm=arm), arm.step, finish
+
+        record = sweep.run_or_resume(
+            sweep_folder(args), run_spec(args, name, seed), build, args.continue_steps,
+            args.checkpoint_minutes,
+        )  # fmt: skip
+    record = dict(record, seconds=record.get("wall_seconds", time.perf_counter() - start))
+    print(f"[seed {seed}] {name} [{record.pop('layout')}]: converted {record['converted']:.4f}, continued "
+          f"{record['heldout']:.4f} ({record['seconds']:.0f} s)", flush=True)  # fmt: skip
+    return record
+
+
+def sweep_folder(args: argparse.Namespace) -> Path | None:
+    return Path(args.sweep_dir) if args.sweep_dir else None
+
+
+def run_spec(args: argparse.Namespace, arm: str, seed: int) -> sweep.RunSpec:
+    """The sweep's run of `arm` ("pretrain" or an arm of `VARIANTS`) and `seed`, with the flags that
+    change its result (torch threads too: they can move the last bits)."""
+    shared = ("width", "layers", "context", "batch_size", "accumulation", "threads", "pretrain_steps", "lr")
+    settings = {field: getattr(args, field) for field in shared}
+    if arm != "pretrain":
+        variant = VARIANTS[arm]._asdict()
+        settings.update(continue_steps=args.continue_steps, continue_lr=args.continue_lr, variant=variant)
+    return sweep.RunSpec("hidden-decoding", arm, seed, settings)
+
+
+def sweep_specs(args: argparse.Namespace) -> list[sweep.RunSpec]:
+    """The sweep's manifest runs: per seed, the pretraining, then every arm."""
+    return [run_spec(args, arm, seed) for seed in args.seeds for arm in ("pretrain", *VARIANTS)]
 
 
 Job = tuple[Callable[..., dict], tuple]
@@ -528,11 +634,16 @@ def print_report(args: argparse.Namespace, runs: list[dict], wall: float) -> dic
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.sweep_dir and sweep.open_sweep_or_exit(args, lambda: sweep_specs(args)):
+        return {}
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     data = reproduce_dlcm.load_data_once(args)
-    with tempfile.TemporaryDirectory() as folder:
-        runs = run_jobs(args, folder)
+    with tempfile.TemporaryDirectory() as scratch:
+        # A sweep keeps each seed's pretrained source for arms that a later start runs.
+        folder = Path(args.sweep_dir) / "models" if args.sweep_dir else Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        runs = run_jobs(args, str(folder))
     wall = time.perf_counter() - start
     runs.sort(
         key=lambda run: (

@@ -59,3 +59,41 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figures["png"] == str(picture)
     else:
         assert "matplotlib is not installed" in result.stdout and figures["png"] is None
+
+
+@pytest.mark.slow
+def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
+    """`--sweep-dir`: killed with SIGKILL after the first checkpoint, started again, the sweep resumes
+    and gives every figure of a run without a sweep; `--status` shows the run in between."""
+    import signal
+    import time
+
+    command = [sys.executable, str(SCRIPT), "--quick", "--threads", "1"]
+    plain = tmp_path / "plain.json"
+    assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=120).returncode == 0
+    folder = tmp_path / "sweep"
+    swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
+    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while (
+        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL and not (folder / "results.jsonl").exists()
+    status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
+    assert (
+        "running  dlcm/learned-global/seed0" in status.stdout and "0 done, 1 running, 2 left" in status.stdout
+    )
+    resumed = tmp_path / "resumed.json"
+    assert subprocess.run([*swept, "--json", str(resumed)], capture_output=True, timeout=120).returncode == 0
+    timing = ("train_seconds", "eval_seconds", "wall_seconds", "run", "family", "arm")
+
+    def figures(path):
+        return [
+            {k: v for k, v in run.items() if k not in timing} for run in json.loads(path.read_text())["runs"]
+        ]
+
+    assert figures(resumed) == figures(plain)
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 3

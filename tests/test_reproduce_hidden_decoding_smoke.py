@@ -93,3 +93,84 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
     assert math.isfinite(progressive["before_expansion"]) and math.isfinite(progressive["after_expansion"])
     assert len(figures["directions"]) == 9
     assert all(isinstance(value["holds"], bool) for value in figures["directions"].values())
+
+
+def without_timing(value):
+    """`value` without its wall-clock figures (per-step seconds, a sweep's run times and bookkeeping)."""
+    timing = ("seconds", "wall_seconds", "train_seconds", "run", "family", "arm")
+    if isinstance(value, dict):
+        return {key: without_timing(item) for key, item in value.items() if key not in timing}
+    if isinstance(value, list):
+        return [without_timing(item) for item in value]
+    return value
+
+
+def test_the_progressive_arm_killed_after_its_expansion_resumes_to_the_uninterrupted_figures(
+    tmp_path, monkeypatch
+):
+    """A checkpoint taken after the progressive arm grew to n = 4 holds its phase and the figures read at
+    the expansion: the resumed run grows the converted model, loads the state, and ends as a run that
+    was never stopped (same held-out losses, same per-step losses)."""
+    script = load_script()
+    threads = torch.get_num_threads()
+    folder = tmp_path / "models"
+    swept = script.parse_args(
+        ["--quick", "--sweep-dir", str(tmp_path / "sweep"), "--checkpoint-minutes", "0"]
+    )
+    plain = script.parse_args(["--quick"])
+    name = "progressive 1→2→4"
+    try:
+        script.pretrain_job(plain, 0, str(folder))
+        expected = script.variant_job(plain, name, 0, str(folder))
+        step = script.ArmTraining.step
+
+        def killed_at_step_three(self, index):
+            if index == 3:
+                raise KeyboardInterrupt("killed")
+            return step(self, index)
+
+        monkeypatch.setattr(script.ArmTraining, "step", killed_at_step_three)
+        with pytest.raises(KeyboardInterrupt):
+            script.variant_job(swept, name, 0, str(folder))
+        monkeypatch.setattr(script.ArmTraining, "step", step)
+        spec = script.run_spec(swept, name, 0)
+        checkpoint = torch.load(script.sweep.checkpoint_paths(swept.sweep_dir, spec)[0], weights_only=False)
+        assert checkpoint["step"] == 3 and checkpoint["objects"]["arm"]["phase"] == 1
+        resumed = script.variant_job(swept, name, 0, str(folder))
+    finally:
+        torch.set_num_threads(threads)
+    assert without_timing(resumed) == without_timing(expected)
+    assert "before_expansion" in resumed and len(resumed["history"]) == plain.continue_steps
+
+
+@pytest.mark.slow
+def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
+    """`--sweep-dir`: killed with SIGKILL after the first checkpoint (the source's pretraining), started
+    again, the sweep resumes it, runs every arm, and gives every figure of a run without a sweep."""
+    import signal
+    import time
+
+    command = [sys.executable, str(SCRIPT), "--quick", "--workers", "1", "--threads", "1"]
+    plain = tmp_path / "plain.json"
+    assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=300).returncode == 0
+    folder = tmp_path / "sweep"
+    swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
+    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while (
+        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL and not (folder / "results.jsonl").exists()
+    status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
+    assert "running  hidden-decoding/pretrain/seed0" in status.stdout and " left" in status.stdout
+    resumed = tmp_path / "resumed.json"
+    assert subprocess.run([*swept, "--json", str(resumed)], capture_output=True, timeout=300).returncode == 0
+
+    def figures(path):
+        return without_timing(json.loads(path.read_text())["runs"])
+
+    assert figures(resumed) == figures(plain)
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 1 + len(load_script().VARIANTS)
