@@ -39,10 +39,17 @@ the source continued, the pretrained source kept in `DIR/models`), a checkpoint 
 it skips the finished runs and resumes the others to the results an uninterrupted sweep gives.
 `--status` prints each run as done / running / left with time estimates, and trains nothing.
 
+Each run prints and records `gap` = held-out loss − training LM loss (mean over the last 5% of steps).
+`--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
+a BPE of the same kind trained on a sample of its train split, each training window read at most once
+by a model (CT's continuation reads the windows after its pretraining's; too many steps are refused
+with the figures), held-out figures on its `held_out` split (`--heldout-tokens` per language/kind).
+
     python benchmarks/reproduce_conceptmoe.py [--seeds 0,1,2] [--steps 300] [--pretrain-steps 400]
         [--continue-steps 200] [--width 64] [--layers 2,4,2] [--context 256] [--batch-size 16]
         [--accumulation 2] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
-        [--json PATH] [--png PATH] [--quick] [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
+        [--json PATH] [--png PATH] [--quick] [--corpus DIR [--heldout-tokens N]]
+        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
@@ -50,7 +57,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
-import random
 import statistics
 import sys
 import tempfile
@@ -62,6 +68,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import corpus_data
 import eval_bits_per_byte as runner
 import reproduce_dlcm
 
@@ -118,7 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
     runner.add_run_flags(parser)
     sweep.add_sweep_flags(parser)
+    corpus_data.add_corpus_flags(parser)
     counts = ("steps", "pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
+    counts += ("heldout_tokens",)
     args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
     sweep.check_sweep_flags(parser, args)
     if args.width % (2 * HEAD_WIDTH):
@@ -222,11 +231,20 @@ def step_record(outputs: list, concept: bool) -> dict:
 
 
 def trainer(
-    model: torch.nn.Module, args: argparse.Namespace, seed: int, rows: list, steps: int, lr: float
+    model: torch.nn.Module,
+    args: argparse.Namespace,
+    seed: int,
+    data: dict,
+    steps: int,
+    lr: float,
+    after: tuple[int, int] | None = None,
 ) -> tuple[dict, Callable[[int], dict]]:
     """The state a run must keep across a kill (model, AdamW at peak `lr` with `learning_rate_factor`
-    over `steps`, the seed's batch generator) and the function that performs step i on it."""
-    rng = random.Random(seed)
+    over `steps`, the seed's batch generator for bundled text) and the function that performs step i on
+    it. Batches: `corpus_data.batch_source`; `after` = (seed, steps) of the pretraining a continued run
+    follows, so that on a `--corpus` it reads the windows after those."""
+    order_seed, skip_steps = after if after is not None else (None, 0)
+    batches, draw = corpus_data.batch_source(data, args, seed, order_seed, skip_steps)
     torch.manual_seed(seed)
     accumulator = RatioAccumulator(args.accumulation)
     concept = isinstance(model, ConceptMoEForCausalLM)
@@ -236,19 +254,19 @@ def trainer(
     model.train()
 
     def step(index: int) -> dict:
-        batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+        batch = draw(index)  # (B, L)
         accumulator.reset(batch.numel())
         outputs = runner.optimizer_step(model, optimizer, schedule, batch, args.accumulation)
         return step_record(outputs, concept)
 
-    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
+    return dict(model=model, optimizer=optimizer, schedule=schedule, **batches), step
 
 
 def train(
-    model: torch.nn.Module, args: argparse.Namespace, seed: int, rows: list, steps: int, lr: float
+    model: torch.nn.Module, args: argparse.Namespace, seed: int, data: dict, steps: int, lr: float
 ) -> list[dict]:
     """`steps` optimizer steps on the seed's batches; one record per step (`step_record`)."""
-    _, step = trainer(model, args, seed, rows, steps, lr)
+    _, step = trainer(model, args, seed, data, steps, lr)
     return [step(index) for index in range(steps)]
 
 
@@ -279,6 +297,16 @@ def final(history: list[dict], key: str) -> float:
     return reproduce_dlcm.at_fraction(history, key, 1.0)
 
 
+def gap(heldout: dict, history: list[dict]) -> dict:
+    """`train_loss`, the LM loss over the last 5% of the steps, and `gap` = held-out loss − it."""
+    train_loss = final(history, "lm_loss")
+    return dict(train_loss=train_loss, gap=heldout["loss"] - train_loss)
+
+
+def gap_text(record: dict) -> str:
+    return f"training loss {record['train_loss']:.4f} (last 5%), gap {record['gap']:+.4f}"
+
+
 # ---------------------------------------------------------------------------------------------- jobs
 
 
@@ -288,12 +316,12 @@ def scratch_job(args: argparse.Namespace, name: str, seed: int) -> dict:
     data = reproduce_dlcm.load_data_once(args)
     model = build_scratch(args, name, seed, data["vocab_size"], data["pad_id"])
     start = time.perf_counter()
-    stateful, step = trainer(model, args, seed, data["rows"], args.steps, args.lr)
+    stateful, step = trainer(model, args, seed, data, args.steps, args.lr)
 
     def finish(history: list[dict]) -> dict:
         heldout = evaluate(model, data["heldout"], args.context)
         return dict(part="scratch", config=name, seed=seed, parameters=model.num_parameters(),
-                    heldout=heldout, history=history)  # fmt: skip
+                    heldout=heldout, history=history, **gap(heldout, history))  # fmt: skip
 
     if args.sweep_dir:
         spec = scratch_spec(args, name, seed)
@@ -306,8 +334,8 @@ def scratch_job(args: argparse.Namespace, name: str, seed: int) -> dict:
         record["seconds"] = time.perf_counter() - start
     heldout = record["heldout"]
     ratio = f", inference ratio {heldout['inference_ratio']:.2f}" if "inference_ratio" in heldout else ""
-    print(f"[seed {seed}] {name}: held-out loss {heldout['loss']:.4f}{ratio} ({record['seconds']:.0f} s)",
-          flush=True)  # fmt: skip
+    print(f"[seed {seed}] {name}: held-out loss {heldout['loss']:.4f}{ratio}, {gap_text(record)} "
+          f"({record['seconds']:.0f} s)", flush=True)  # fmt: skip
     return record
 
 
@@ -343,7 +371,7 @@ def ct_job(args: argparse.Namespace, seed: int) -> dict:
     rows.insert(0, dict(continued, converted=pretrain["pretrained"]))
     seconds = time.perf_counter() - start
     return dict(part="ct", seed=seed, pretrained=pretrain["pretrained"], pretrain=pretrain["pretrain"],
-                models=rows, seconds=seconds)  # fmt: skip
+                pretrain_gap=pretrain["pretrain_gap"], models=rows, seconds=seconds)  # fmt: skip
 
 
 def sweep_folder(args: argparse.Namespace) -> Path | None:
@@ -355,13 +383,15 @@ def ct_pretrain(args: argparse.Namespace, seed: int, data: dict, path: Path) -> 
 
     def build():
         source = mixtral_source(args, seed, data["vocab_size"], data["pad_id"])
-        stateful, step = trainer(source, args, seed, data["rows"], args.pretrain_steps, args.lr)
+        stateful, step = trainer(source, args, seed, data, args.pretrain_steps, args.lr)
 
         def finish(history: list[dict]) -> dict:
             pretrained = evaluate(source, data["heldout"], args.context)
-            print(f"[seed {seed}] CT source pretrained: held-out loss {pretrained['loss']:.4f}", flush=True)
+            figures = gap(pretrained, history)
+            print(f"[seed {seed}] CT source pretrained: held-out loss {pretrained['loss']:.4f}, "
+                  f"{gap_text(figures)}", flush=True)  # fmt: skip
             runner.save_whole(source, path)
-            return dict(pretrained=pretrained, pretrain=history)
+            return dict(pretrained=pretrained, pretrain=history, pretrain_gap=figures["gap"])
 
         return stateful, step, finish
 
@@ -393,18 +423,20 @@ def ct_continue(
             converted = evaluate(model, data["heldout"], args.context)
             figures = dict(ratio=ratio, concept_top_k=top_k, matmul_flops=flops, converted=converted)
         stateful, step = trainer(
-            model, args, seed + 1000, data["rows"], args.continue_steps, args.continue_lr
+            model, args, seed + 1000, data, args.continue_steps, args.continue_lr, (seed, args.pretrain_steps)
         )
 
         def finish(history: list[dict]) -> dict:
             heldout = evaluate(model, data["heldout"], args.context)
+            gaps = gap(heldout, history)
             if ratio is None:
-                print(f"[seed {seed}] CT source continued: held-out loss {heldout['loss']:.4f}", flush=True)
-                return dict(name="source continued", heldout=heldout, history=history)
+                print(f"[seed {seed}] CT source continued: held-out loss {heldout['loss']:.4f}, "
+                      f"{gap_text(gaps)}", flush=True)  # fmt: skip
+                return dict(name="source continued", heldout=heldout, history=history, **gaps)
             print(f"[seed {seed}] CT R={ratio:g} (top-{figures['concept_top_k']}): converted "
                   f"{figures['converted']['loss']:.4f}, continued {heldout['loss']:.4f}, inference ratio "
-                  f"{heldout['inference_ratio']:.2f}", flush=True)  # fmt: skip
-            return dict(figures, name=f"converted R={ratio:g}", heldout=heldout, history=history)
+                  f"{heldout['inference_ratio']:.2f}, {gap_text(gaps)}", flush=True)  # fmt: skip
+            return dict(figures, name=f"converted R={ratio:g}", heldout=heldout, history=history, **gaps)
 
         return stateful, step, finish
 
@@ -413,7 +445,17 @@ def ct_continue(
         sweep_folder(args), spec, build, args.continue_steps, args.checkpoint_minutes
     )
     # The model's figures only: a sweep's bookkeeping (run, arm, times) stays in its results file.
-    kept = ("name", "ratio", "concept_top_k", "matmul_flops", "converted", "heldout", "history")
+    kept = (
+        "name",
+        "ratio",
+        "concept_top_k",
+        "matmul_flops",
+        "converted",
+        "heldout",
+        "history",
+        "train_loss",
+        "gap",
+    )
     return {key: record[key] for key in kept if key in record}
 
 
@@ -443,7 +485,9 @@ def run_jobs(args: argparse.Namespace) -> list[dict]:
 def run_settings(args: argparse.Namespace, *names: str) -> dict:
     """The flags that change a run's result (torch threads too: they can move the last bits)."""
     shared = ("width", "layers", "context", "batch_size", "accumulation", "threads")
-    return {name: getattr(args, name) for name in (*shared, *names)}
+    return dict(
+        {name: getattr(args, name) for name in (*shared, *names)}, **corpus_data.corpus_settings(args)
+    )
 
 
 def scratch_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
@@ -633,6 +677,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     data = reproduce_dlcm.load_data_once(args)
+    # A CT model reads its pretraining's windows, then the continuation's: all from one seed's order.
+    lineage = max(args.steps, args.pretrain_steps + args.continue_steps)
+    corpus_data.require_windows(
+        data, args, lineage, "the longest run (from scratch, or CT's pretraining + continuing)"
+    )
     compute = compute_table(args, data["vocab_size"], data["pad_id"])
     print_compute_table(compute)
     runs = run_jobs(args)

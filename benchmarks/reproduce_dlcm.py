@@ -31,6 +31,12 @@ Figures:
   content type: prose (English prose and docs), code (Python, JavaScript, C/Go/Rust, shell/SQL), zh, ja.
 Mean ± sample std over the seeds; per-seed values and the curves in `--json`; `--png` draws the curves
 (needs matplotlib, the `plots` extra). `--quick` is a smoke run (tiny model, 6 steps, one seed).
+Each run prints and records `gap` = held-out loss − training LM loss (mean over the last 5% of steps).
+
+`--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
+a BPE of the same kind trained on a sample of its train split, each training window read at most once
+(one epoch at most; too many steps are refused with the figures), held-out figures on its `held_out`
+split, the content types being its language/kind cells (`--heldout-tokens` per cell).
 
 `--sweep-dir DIR` runs the same runs as a resumable sweep (`hf_concept.training.sweep`): a manifest of
 the runs (configuration, seed), a checkpoint of each run every `--checkpoint-minutes`, one line per
@@ -40,14 +46,14 @@ left with time estimates, and trains nothing.
 
     python benchmarks/reproduce_dlcm.py [--seeds 0,1,2] [--steps 400] [--width 64] [--layers 2,3,2]
         [--context 256] [--batch-size 16] [--accumulation 2] [--lr 3e-3] [--threads 2]
-        [--json PATH] [--png PATH] [--quick] [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
+        [--json PATH] [--png PATH] [--quick] [--corpus DIR [--heldout-tokens N]]
+        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import random
 import statistics
 import sys
 import time
@@ -58,6 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import corpus_data
 import eval_bits_per_byte as runner
 
 from hf_concept.data.bpe import bundled_tokenizer
@@ -102,11 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", default=None, help="draw the compression curves here (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 6 steps, 1 seed")
     sweep.add_sweep_flags(parser)
+    corpus_data.add_corpus_flags(parser)
     args = parser.parse_args(argv)
     if args.quick:
         for field, value in QUICK.items():
             setattr(args, field, value)
-    for field in ("steps", "context", "batch_size", "accumulation", "threads", "width"):
+    for field in ("steps", "context", "batch_size", "accumulation", "threads", "width", "heldout_tokens"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
     if args.batch_size % args.accumulation:
@@ -158,11 +166,12 @@ def build_model(
 
 
 def trainer(
-    model: DLCMForCausalLM, args: argparse.Namespace, seed: int, rows: list[torch.Tensor]
+    model: DLCMForCausalLM, args: argparse.Namespace, seed: int, data: dict
 ) -> tuple[dict, Callable[[int], dict]]:
     """The state a run keeps across a kill (model, AdamW and schedule over `args.steps`, the seed's batch
-    generator) and its step i, which returns the step's record: the loss, the LM loss and both ratios."""
-    rng = random.Random(seed)
+    generator for bundled text) and its step i, which returns the step's record: the loss, the LM loss
+    and both ratios. Batches: `corpus_data.batch_source`."""
+    batches, draw = corpus_data.batch_source(data, args, seed)
     torch.manual_seed(seed)
     accumulator = RatioAccumulator(args.accumulation)
     model.ratio_accumulator = accumulator if model.config.ratio_scope == "global" else None
@@ -170,7 +179,7 @@ def trainer(
     model.train()
 
     def step(index: int) -> dict:
-        batch = runner.sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+        batch = draw(index)  # (B, L)
         accumulator.reset(batch.numel())
         outputs = runner.optimizer_step(model, optimizer, schedule, batch, args.accumulation)
         record = step_record(outputs)
@@ -182,7 +191,7 @@ def trainer(
             )
         return record
 
-    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
+    return dict(model=model, optimizer=optimizer, schedule=schedule, **batches), step
 
 
 def step_record(outputs: list) -> dict:
@@ -198,11 +207,9 @@ def step_record(outputs: list) -> dict:
     )
 
 
-def train(
-    model: DLCMForCausalLM, args: argparse.Namespace, seed: int, rows: list[torch.Tensor]
-) -> list[dict]:
+def train(model: DLCMForCausalLM, args: argparse.Namespace, seed: int, data: dict) -> list[dict]:
     """`args.steps` optimizer steps on the seed's batches; one record per step (`step_record`)."""
-    _, step = trainer(model, args, seed, rows)
+    _, step = trainer(model, args, seed, data)
     return [step(index) for index in range(args.steps)]
 
 
@@ -220,7 +227,9 @@ def heldout_windows(
 @torch.no_grad()
 def evaluate(model: DLCMForCausalLM, documents: list[tuple[str, torch.Tensor]], context: int) -> dict:
     """Held-out LM loss (nats per token), inference and expected-sampled ratios, concept length per type."""
-    totals = {kind: dict(nats=0.0, predicted=0, tokens=0, concepts=0, expected=0.0) for kind in CONTENT_TYPES}
+    totals = {
+        kind: dict(nats=0.0, predicted=0, tokens=0, concepts=0, expected=0.0) for kind in types(documents)
+    }
     with eval_mode(model):
         for kind, window in heldout_windows(documents, context):
             input_ids = window[None]  # (1, L)
@@ -246,6 +255,15 @@ def evaluate(model: DLCMForCausalLM, documents: list[tuple[str, torch.Tensor]], 
     )
 
 
+def types(documents: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The content types of `documents`: `CONTENT_TYPES` for the bundled corpus, "language/kind" cells
+    for a `--corpus` (in their order)."""
+    present = dict.fromkeys(kind for kind, _ in documents)
+    return [kind for kind in CONTENT_TYPES if kind in present] + [
+        k for k in present if k not in CONTENT_TYPES
+    ]
+
+
 def at_fraction(history: list[dict], key: str, fraction: float) -> float:
     """The mean of `key` over a window of 5% of the steps ending at `fraction` of training."""
     end = max(1, round(len(history) * fraction))
@@ -260,14 +278,16 @@ def run(args: argparse.Namespace, name: str, seed: int, data: dict) -> dict:
         model = build_model(args, name, seed, data["vocab_size"], data["pad_id"])
         print(f"[seed {seed}] {name}: {model.num_parameters()} parameters, {args.steps} steps", flush=True)
         start = time.perf_counter()
-        stateful, step = trainer(model, args, seed, data["rows"])
+        stateful, step = trainer(model, args, seed, data)
 
         def finish(history: list[dict]) -> dict:
             train_seconds = time.perf_counter() - start
             heldout = evaluate(model, data["heldout"], args.context)
             curve = {key: at_fraction_table(history, key) for key in ("sampled_ratio", "inference_ratio")}
+            train_loss = at_fraction(history, "lm_loss", 1.0)
             return dict(config=name, seed=seed, parameters=model.num_parameters(), heldout=heldout,
-                        curve=curve, history=history, train_seconds=train_seconds,
+                        curve=curve, history=history, train_loss=train_loss, gap=heldout["loss"] - train_loss,
+                        train_seconds=train_seconds,
                         eval_seconds=time.perf_counter() - start - train_seconds)  # fmt: skip
 
         return stateful, step, finish
@@ -277,7 +297,8 @@ def run(args: argparse.Namespace, name: str, seed: int, data: dict) -> dict:
         folder, run_spec(args, name, seed), build, args.steps, args.checkpoint_minutes
     )
     print(
-        f"[seed {seed}] {name}: held-out loss {record['heldout']['loss']:.3f}, inference ratio "
+        f"[seed {seed}] {name}: held-out loss {record['heldout']['loss']:.3f}, training loss "
+        f"{record['train_loss']:.3f} (last 5%), gap {record['gap']:+.3f}, inference ratio "
         f"{record['heldout']['inference_ratio']:.2f}; train {record['train_seconds']:.0f}s, eval "
         f"{record['eval_seconds']:.0f}s",
         flush=True,
@@ -290,6 +311,7 @@ def run_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
     threads too: they can move the last bits)."""
     shared = ("steps", "width", "layers", "context", "batch_size", "accumulation", "lr", "threads")
     settings = dict({field: getattr(args, field) for field in shared}, changes=CONFIGS[name])
+    settings.update(corpus_data.corpus_settings(args))
     return sweep.RunSpec("dlcm", name, seed, settings)
 
 
@@ -319,25 +341,22 @@ def print_curve_table(runs: list[dict]) -> None:
             print(f"  {name:<30}{values}")
 
 
-def print_heldout_table(runs: list[dict]) -> None:
-    print(f"\n[Table 4] held-out (corpus validation split), target R = {TARGET_RATIO:g}")
+def print_heldout_table(runs: list[dict], split: str = "bundled corpus's validation split") -> None:
+    print(f"\n[Table 4] held-out ({split}), target R = {TARGET_RATIO:g}")
     print(f"{'configuration':<18}{'loss (nats/token)':>20}{'inference ratio':>18}{'sampled ratio':>16}")
     for name, group in by_config(runs).items():
         figures = [[r["heldout"][key] for r in group] for key in ("loss", "inference_ratio", "sampled_ratio")]
         print(f"{name:<18}{runner.cell(figures[0], 3):>20}{cell(figures[1]):>18}{cell(figures[2]):>16}")
+    kinds = list(runs[0]["heldout"]["concept_length"])
     print("\n[§8.3] average concept length (tokens per concept, inference) per content type")
-    print(f"{'configuration':<18}" + "".join(f"{kind:>14}" for kind in CONTENT_TYPES) + f"{'max/min':>14}")
+    print(f"{'configuration':<18}" + "".join(f"{kind:>14}" for kind in kinds) + f"{'max/min':>14}")
     for name, group in by_config(runs).items():
-        lengths = {kind: [r["heldout"]["concept_length"][kind] for r in group] for kind in CONTENT_TYPES}
+        lengths = {kind: [r["heldout"]["concept_length"][kind] for r in group] for kind in kinds}
         spread = [
             max(r["heldout"]["concept_length"].values()) / min(r["heldout"]["concept_length"].values())
             for r in group
         ]
-        print(
-            f"{name:<18}"
-            + "".join(f"{cell(lengths[kind]):>14}" for kind in CONTENT_TYPES)
-            + f"{cell(spread):>14}"
-        )
+        print(f"{name:<18}" + "".join(f"{cell(lengths[kind]):>14}" for kind in kinds) + f"{cell(spread):>14}")
 
 
 def directions(runs: list[dict]) -> dict[str, bool]:
@@ -409,6 +428,10 @@ def mean_smoothed(runs: list[dict], key: str) -> list[float]:
 
 
 def load_data(args: argparse.Namespace) -> dict:
+    """The bundled corpus's train rows and validation documents (BPE `bundled_tokenizer`), or with
+    `--corpus` the saved corpus's (`corpus_data.load_corpus`)."""
+    if getattr(args, "corpus", None):
+        return corpus_data.load_corpus(args)
     tokenizer = bundled_tokenizer()
     # Whole documents are tokenized at once and cut into windows here: no length warning for them.
     tokenizer.model_max_length = 1 << 30
@@ -441,10 +464,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     data = load_data(args)
+    corpus_data.require_windows(data, args, args.steps, "each run")
     runs = [run(args, name, seed, data) for seed in args.seeds for name in CONFIGS]
     wall = time.perf_counter() - start
     print_curve_table(runs)
-    print_heldout_table(runs)
+    print_heldout_table(runs, f"{args.corpus}'s held_out split" if args.corpus else "corpus validation split")
     verdict = directions(runs)
     print(
         "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())

@@ -45,10 +45,18 @@ included), one line per finished run in `DIR/results.jsonl`; started again after
 finished runs and resumes the others to the figures an uninterrupted sweep gives. `--status` prints each
 run as done / running / left with time estimates, and trains nothing.
 
+Each run prints and records `gap` = held-out loss − training LM loss (mean over the last 5% of steps).
+`--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
+a BPE of the same kind trained on a sample of its train split, each training window read at most once
+by a model (the arms continue on the windows after their source's pretraining; too many steps are
+refused with the figures), held-out figures on its `held_out` split (`--heldout-tokens` per
+language/kind cell, pooled here).
+
     python benchmarks/reproduce_hidden_decoding.py [--seeds 0,1,2] [--pretrain-steps 400]
         [--continue-steps 250] [--width 64] [--layers 8] [--context 128] [--batch-size 16]
         [--accumulation 1] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
-        [--json PATH] [--png PATH] [--quick] [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
+        [--json PATH] [--png PATH] [--quick] [--corpus DIR [--heldout-tokens N]]
+        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -70,6 +78,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import corpus_data
 import eval_bits_per_byte as runner
 import reproduce_dlcm
 
@@ -170,7 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
     runner.add_run_flags(parser)
     sweep.add_sweep_flags(parser)
+    corpus_data.add_corpus_flags(parser)
     counts = ("pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
+    counts += ("heldout_tokens",)
     args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
     sweep.check_sweep_flags(parser, args)
     if args.continue_steps < 2:
@@ -248,10 +259,20 @@ def expanded(model: torch.nn.Module, num_streams: int, folder: Path) -> torch.nn
 # ---------------------------------------------------------------------------------------------- training
 
 
-def batches(args: argparse.Namespace, rows: list, seed: int, steps: int) -> list[torch.Tensor]:
-    """The `steps` batches (B, L) drawn from `seed`: every arm of a seed trains on the same list."""
-    rng = random.Random(seed)
-    return [runner.sample_batch(rows, args.batch_size, args.context, rng) for _ in range(steps)]
+def batches(
+    args: argparse.Namespace, data: dict, seed: int, steps: int, after: tuple[int, int] | None = None
+) -> Sequence[torch.Tensor]:
+    """The `steps` batches (B, L) drawn from `seed`: every arm of a seed trains on the same ones. Bundled
+    text: random crops. `--corpus`: windows read once, in the order of `after`'s seed after its steps
+    (the pretraining the arms continue), else of `seed` (`corpus_data`)."""
+    windows = data.get("windows")
+    if windows is None:
+        rng = random.Random(seed)
+        return [runner.sample_batch(data["rows"], args.batch_size, args.context, rng) for _ in range(steps)]
+    order_seed, skip_steps = after if after is not None else (seed, 0)
+    return corpus_data.WindowBatches(
+        windows, order_seed, skip_steps * args.batch_size, steps, args.batch_size
+    )
 
 
 def prediction_loss(logits: torch.Tensor, input_ids: torch.Tensor, items: torch.Tensor) -> float:
@@ -369,13 +390,13 @@ def pretrain_job(args: argparse.Namespace, seed: int, folder: str) -> dict:
     def build():
         start = time.perf_counter()
         source = llama_source(args, seed, data["vocab_size"], data["pad_id"])
-        steps = batches(args, data["rows"], seed, args.pretrain_steps)
+        steps = batches(args, data, seed, args.pretrain_steps)
         stateful, step = trainer(source, steps, args.accumulation, args.lr)
 
         def finish(history: list[dict]) -> dict:
             loss = evaluate(source, data["heldout"], args.context)
             runner.save_whole(source, source_path(folder, seed))
-            return dict(part="pretrain", seed=seed, pretrained=loss, history=history,
+            return dict(part="pretrain", seed=seed, pretrained=loss, history=history, **gap(loss, history),
                         seconds=time.perf_counter() - start, parameters=source.num_parameters())  # fmt: skip
 
         return stateful, step, finish
@@ -385,7 +406,8 @@ def pretrain_job(args: argparse.Namespace, seed: int, folder: str) -> dict:
         args.checkpoint_minutes,
     )  # fmt: skip
     seconds = record.get("wall_seconds", record["seconds"])
-    print(f"[seed {seed}] source pretrained: held-out loss {record['pretrained']:.4f} ({seconds:.0f} s)",
+    print(f"[seed {seed}] source pretrained: held-out loss {record['pretrained']:.4f}, training loss "
+          f"{record['train_loss']:.4f} (last 5%), gap {record['gap']:+.4f} ({seconds:.0f} s)",
           flush=True)  # fmt: skip
     return dict(record, seconds=seconds)
 
@@ -400,7 +422,8 @@ def variant_job(args: argparse.Namespace, name: str, seed: int, folder: str) -> 
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
 
         def build():
-            steps = batches(args, data["rows"], seed + CONTINUATION_SEED, args.continue_steps)
+            after = (seed, args.pretrain_steps)
+            steps = batches(args, data, seed + CONTINUATION_SEED, args.continue_steps, after)
             torch.manual_seed(seed + CONTINUATION_SEED)
             model = convert_variant(args, name, source_path(folder, seed), Path(scratch) / "converted")
             result = dict(part="variant", name=name, seed=seed, converted=evaluate(model, data["heldout"],
@@ -410,7 +433,7 @@ def variant_job(args: argparse.Namespace, name: str, seed: int, folder: str) -> 
             def finish(history: list[dict]) -> dict:
                 heldout = evaluate(arm.model, data["heldout"], args.context)
                 layout = arm.model.config.stream_attention_layout if variant.num_streams > 1 else None
-                return dict(result, **arm.figures, heldout=heldout, history=history,
+                return dict(result, **arm.figures, heldout=heldout, history=history, **gap(heldout, history),
                             layout=compact_layout(layout) if layout else "-")  # fmt: skip
 
             return dict(arm=arm), arm.step, finish
@@ -421,8 +444,15 @@ def variant_job(args: argparse.Namespace, name: str, seed: int, folder: str) -> 
         )  # fmt: skip
     record = dict(record, seconds=record.get("wall_seconds", time.perf_counter() - start))
     print(f"[seed {seed}] {name} [{record.pop('layout')}]: converted {record['converted']:.4f}, continued "
-          f"{record['heldout']:.4f} ({record['seconds']:.0f} s)", flush=True)  # fmt: skip
+          f"{record['heldout']:.4f}, training loss {record['train_loss']:.4f} (last 5%), gap "
+          f"{record['gap']:+.4f} ({record['seconds']:.0f} s)", flush=True)  # fmt: skip
     return record
+
+
+def gap(heldout: float, history: list[dict]) -> dict:
+    """`train_loss`, the prediction's LM loss over the last 5% of the steps, and `gap` = held-out − it."""
+    train_loss = reproduce_dlcm.at_fraction(history, "lm_loss", 1.0)
+    return dict(train_loss=train_loss, gap=heldout - train_loss)
 
 
 def sweep_folder(args: argparse.Namespace) -> Path | None:
@@ -433,7 +463,7 @@ def run_spec(args: argparse.Namespace, arm: str, seed: int) -> sweep.RunSpec:
     """The sweep's run of `arm` ("pretrain" or an arm of `VARIANTS`) and `seed`, with the flags that
     change its result (torch threads too: they can move the last bits)."""
     shared = ("width", "layers", "context", "batch_size", "accumulation", "threads", "pretrain_steps", "lr")
-    settings = {field: getattr(args, field) for field in shared}
+    settings = dict({field: getattr(args, field) for field in shared}, **corpus_data.corpus_settings(args))
     if arm != "pretrain":
         variant = VARIANTS[arm]._asdict()
         settings.update(continue_steps=args.continue_steps, continue_lr=args.continue_lr, variant=variant)
@@ -639,6 +669,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     data = reproduce_dlcm.load_data_once(args)
+    steps = args.pretrain_steps + args.continue_steps
+    corpus_data.require_windows(data, args, steps, "a source's pretraining + an arm's continuation")
     with tempfile.TemporaryDirectory() as scratch:
         # A sweep keeps each seed's pretrained source for arms that a later start runs.
         folder = Path(args.sweep_dir) / "models" if args.sweep_dir else Path(scratch)

@@ -89,7 +89,7 @@ def test_the_checkpointable_trainer_takes_the_shared_loops_steps():
         torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(index)) for index in range(3)
     ]
     model = script.build_scratch(args, "dynamic", 0, 96, 0)
-    history = script.train(model, args, 0, rows, 3, args.lr)
+    history = script.train(model, args, 0, dict(rows=rows), 3, args.lr)
     reference = script.build_scratch(args, "dynamic", 0, 96, 0)
     rng, accumulator = random.Random(0), script.RatioAccumulator(args.accumulation)
     torch.manual_seed(0)
