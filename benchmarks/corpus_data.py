@@ -17,9 +17,12 @@ columns text, language, kind, source, document. From it:
   `skip + i · batch_size`. A continued run (CT, Hidden Decoding's arms) starts where its pretraining
   stopped, so no window is read twice by a model and its ancestors; a run asking for more windows than
   the split has is refused with the figures (`require_windows`).
-- held-out: the `held_out` split (never the source of a choice), the first `--heldout-tokens` tokens of
-  each (language, kind) cell in the split's document order, labelled "language/kind". The validation
-  split is the one to use for a choice; these scripts make none.
+- held-out: the `held_out` split (never the source of a choice), `--heldout-tokens` tokens in all,
+  shared among the (language, kind) cells in proportion to their train tokens (at least one context
+  each), each cell's first tokens in the split's document order, labelled "language/kind". The pooled
+  held-out loss is then over the training mixture, so that `gap` = held-out − training loss measures
+  overfitting, not the difference between two mixtures (classical Chinese is ~70% of the train tokens).
+  The validation split is the one to use for a choice; these scripts make none.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import eval_bits_per_byte as runner
 
 SPLITS = ("train", "validation", "held_out")
 SAMPLE_CHARACTERS = 1_000_000
-HELDOUT_TOKENS = 65_536
+HELDOUT_TOKENS = 1 << 19
 MAP_BATCH = 64
 
 
@@ -63,7 +66,8 @@ def add_corpus_flags(parser: argparse.ArgumentParser) -> None:
         "--heldout-tokens",
         type=int,
         default=HELDOUT_TOKENS,
-        help="with --corpus: held-out tokens scored per language/kind cell",
+        help="with --corpus: held-out tokens scored, shared among the language/kind cells in proportion "
+        "to their train tokens",
     )
 
 
@@ -256,14 +260,22 @@ def flat_ids(split) -> tuple[numpy.ndarray, numpy.ndarray]:
     return column.flatten().to_numpy(zero_copy_only=False), offsets
 
 
-def heldout_documents(split, limit: int) -> list[tuple[str, torch.Tensor]]:
-    """("language/kind", ids) of the first `limit` tokens of each cell, in the split's document order."""
+def heldout_limits(train_tokens: dict[str, int], total: int, context: int) -> dict[str, int]:
+    """Held-out tokens per cell: `total` shared in proportion to the cells' train tokens, at least
+    `context` each (a cell too small for its share still gets one window)."""
+    whole = sum(train_tokens.values())
+    return {cell: max(context, round(total * count / whole)) for cell, count in train_tokens.items()}
+
+
+def heldout_documents(split, limits: dict[str, int]) -> list[tuple[str, torch.Tensor]]:
+    """("language/kind", ids) of the first `limits[cell]` tokens of each cell (none of a cell not in
+    `limits`), in the split's document order."""
     tokens, offsets = flat_ids(split)
     taken: dict[str, int] = {}
     documents = []
     for index, (language, kind) in enumerate(zip(split["language"], split["kind"], strict=True)):
         cell = f"{language}/{kind}"
-        room = limit - taken.get(cell, 0)
+        room = limits.get(cell, 0) - taken.get(cell, 0)
         ids = tokens[offsets[index] : offsets[index + 1]][:room]
         if len(ids) > 0:
             taken[cell] = taken.get(cell, 0) + len(ids)
@@ -286,12 +298,12 @@ def load_corpus(args: argparse.Namespace) -> dict:
     train = tokenized(corpus["train"], tokenizer, caches / "train.arrow")
     tokens, offsets = flat_ids(train)
     windows = WindowOrder(tokens, offsets, args.context)
-    heldout = heldout_documents(tokenized(corpus["held_out"], tokenizer, caches / "held_out.arrow"),
-                                args.heldout_tokens)  # fmt: skip
     cells = [f"{language}/{kind}" for language, kind in zip(train["language"], train["kind"], strict=True)]
     train_tokens: dict[str, int] = {}
     for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
         train_tokens[cell] = train_tokens.get(cell, 0) + length
+    limits = heldout_limits(train_tokens, args.heldout_tokens, args.context)
+    heldout = heldout_documents(tokenized(corpus["held_out"], tokenizer, caches / "held_out.arrow"), limits)
     sizes = {}
     for cell, ids in heldout:
         sizes[cell] = sizes.get(cell, 0) + len(ids)

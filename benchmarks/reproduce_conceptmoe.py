@@ -43,7 +43,8 @@ Each run prints and records `gap` = held-out loss − training LM loss (mean ove
 `--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
 a BPE of the same kind trained on a sample of its train split, each training window read at most once
 by a model (CT's continuation reads the windows after its pretraining's; too many steps are refused
-with the figures), held-out figures on its `held_out` split (`--heldout-tokens` per language/kind).
+with the figures), held-out figures on `--heldout-tokens` of its `held_out` split, in the training
+mix of cells.
 
     python benchmarks/reproduce_conceptmoe.py [--seeds 0,1,2] [--steps 300] [--pretrain-steps 400]
         [--continue-steps 200] [--width 64] [--layers 2,4,2] [--context 256] [--batch-size 16]

@@ -36,7 +36,7 @@ Each run prints and records `gap` = held-out loss − training LM loss (mean ove
 `--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
 a BPE of the same kind trained on a sample of its train split, each training window read at most once
 (one epoch at most; too many steps are refused with the figures), held-out figures on its `held_out`
-split, the content types being its language/kind cells (`--heldout-tokens` per cell).
+split (`--heldout-tokens` in the training mix of cells), the content types being its language/kind cells.
 
 `--sweep-dir DIR` runs the same runs as a resumable sweep (`hf_concept.training.sweep`): a manifest of
 the runs (configuration, seed), a checkpoint of each run every `--checkpoint-minutes`, one line per

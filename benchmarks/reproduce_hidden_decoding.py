@@ -49,8 +49,8 @@ Each run prints and records `gap` = held-out loss − training LM loss (mean ove
 `--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
 a BPE of the same kind trained on a sample of its train split, each training window read at most once
 by a model (the arms continue on the windows after their source's pretraining; too many steps are
-refused with the figures), held-out figures on its `held_out` split (`--heldout-tokens` per
-language/kind cell, pooled here).
+refused with the figures), held-out figures on `--heldout-tokens` of its `held_out` split, in
+the training mix of language/kind cells, pooled here.
 
     python benchmarks/reproduce_hidden_decoding.py [--seeds 0,1,2] [--pretrain-steps 400]
         [--continue-steps 250] [--width 64] [--layers 8] [--context 128] [--batch-size 16]

@@ -86,6 +86,17 @@ def test_asking_for_more_windows_than_the_split_has_is_refused_with_the_figures(
     corpus_data.require_windows(dict(rows=[]), args, 10**9, "each run")
 
 
+def test_the_heldout_sample_follows_the_training_mix_of_cells():
+    """The pooled held-out loss is over the cells' training shares (so that the gap compares like with
+    like); a cell too small for its share still gets one context of tokens."""
+    train = {"zh/classical": 700, "en/prose": 290, "zh/prose": 10}
+    assert corpus_data.heldout_limits(train, 1000, 16) == {
+        "zh/classical": 700,
+        "en/prose": 290,
+        "zh/prose": 16,
+    }
+
+
 def mini_corpus(folder: Path) -> Path:
     """A saved DatasetDict as `hf-concept build-corpus` writes it, of pseudo-random words (so that a BPE
     trained on them cannot swallow whole documents): three languages, two kinds, three splits."""
