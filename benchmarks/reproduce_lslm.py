@@ -8,20 +8,27 @@ warm-up, cosine to 10%):
 - "gpt2": `hf_concept.evaluation.byte_gpt2_baseline` at the LSLM's width (`--width`) and head width (32),
   its depth the one whose parameter count is nearest the LSLM's (`gpt2_num_parameters`); the run stops
   unless the counts are within 5%.
-- "lslm": `LSLMForCausalLM` with `--layers` token/segment/decoder layers, every stage `--width` wide,
-  heads of width 32, MLPs 4x wide, and `LSLMConfig`'s defaults, the paper's best setting (Table 1):
-  Bernoulli prior mean 0.7, β = `kl_weight` = 1, mean ("dynamic") pooling, interleaved updates with k = 1
-  (`hf_concept.training.lslm.drop_other_group_gradients`: even steps update everything but the router,
-  odd steps the router only), and `boundary_rule="rate"`: inference closes byte t where the running sum
-  of q over the document passes a half-integer, i.e. at the rate at which training samples boundaries.
+- "byte": the fair baseline (issue 28), `hf_concept.evaluation.byte_decoder_baseline`: the project's own
+  decoder (SwiGLU, RMSNorm, RoPE: the layers of the LSLM's stages) at the LSLM's width and total depth
+  (`--layers` summed), heads of width 32; matched by shape, not by parameter count (it has no router,
+  cross-attention or second embedding). The GPT-2 row stays for reference.
+- "lslm": `LSLMForCausalLM` with `--layers` token/segment/decoder layers (1 + 3 + 1 by default: the
+  paper's 4 + 10 + 4 proportions at five layers), every stage `--width` wide, heads of width 32, MLPs 4x
+  wide, and `LSLMConfig`'s defaults, the paper's setting: the Beta prior on the boundary rate (mean 0.7,
+  concentration 100, `prior_loss="beta_binomial"`), β = `kl_weight` = 1, mean ("dynamic") pooling with
+  the Gumbel-sigmoid straight-through estimator into the pooling matrix, the latest segment in the
+  decoder's input, interleaved updates with k = 1 (`hf_concept.training.lslm.drop_other_group_gradients`:
+  even steps update everything but the router, odd steps the router only), and `boundary_rule="rate"`.
 - "dtp": the same LSLM (same weights at step 0) with `prior_loss="binomial"` (DTP's count prior,
-  −log Binomial(k; n, 0.7), weighted by `kl_weight`, instead of the per-byte KL), all parameters
-  updated at every step (no interleaving). DTP's own hourglass architecture is NOT implemented: this row
-  is "dynamic pooling without the variational prior" inside LSLM's architecture.
+  −log Binomial(k; n, 0.7), weighted by `kl_weight`), all parameters updated at every step (no
+  interleaving). DTP's own hourglass architecture is NOT implemented: this row is "dynamic pooling with
+  DTP's prior" inside LSLM's architecture.
 
 Figures (held-out split of every language; never used for any choice):
-- bits per byte: `hf_concept.evaluation.bits_per_byte` (windows of `--context`, stride context/2; for an
-  LSLM the per-token logits, a code for the bytes alone, the decoder's `<nxt>` mass lost);
+- bits per byte: `hf_concept.evaluation.bits_per_byte` (windows of `--context`, stride context/2) with
+  the softmax over the 256 byte ids (`normalization="bytes"`: a valid, decodable code for every model,
+  an LSLM's eval-mode segmentation being a causal function of the bytes read), and beside it the figure
+  over all 261 ids reported before issue 28 (for an LSLM it loses the decoder's mass on `<nxt>`);
   bits per character = the same total bits / the number of characters of the scored text;
 - for lslm and dtp: the training boundary rate (sampled ends per free byte, `boundary_rate`, and the
   mean q_t, `expected_boundary_rate`, averaged over the last 10% of the steps) against the held-out
@@ -69,14 +76,23 @@ import eval_bits_per_byte as runner
 from eval_bits_per_byte import cell, mean_std
 
 from hf_concept.data import LANGUAGES, load_text
-from hf_concept.evaluation import byte_gpt2_baseline, gpt2_num_parameters, padded_windows, scoring_windows
+from hf_concept.evaluation import (
+    bits_per_byte,
+    byte_decoder_baseline,
+    byte_gpt2_baseline,
+    gpt2_num_parameters,
+    padded_windows,
+    scoring_windows,
+)
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
-from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
+from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID, ByteTokenizer
 from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
-MODELS = ("gpt2", "lslm", "dtp")
+MODELS = ("gpt2", "byte", "lslm", "dtp")
+# Matched by parameters (within MAX_PARAMETER_GAP); "byte" is matched by width and depth instead.
+PARAMETER_MATCHED = ("gpt2", "lslm", "dtp")
 SEGMENTED = ("lslm", "dtp")
 HEAD_WIDTH = 32
 MAX_PARAMETER_GAP = 0.05
@@ -138,7 +154,7 @@ def runner_args(args: argparse.Namespace, seed: int, name: str) -> argparse.Name
         "--lslm-token-width", width, "--lslm-decoder-width", width,
         "--lslm-prior", str(defaults.prior_mean), "--lslm-kl-weight", str(defaults.kl_weight),
         "--lslm-update-schedule", str(defaults.update_schedule),
-        "--lslm-prior-loss", "binomial" if name == "dtp" else "kl",
+        "--lslm-prior-loss", "binomial" if name == "dtp" else defaults.prior_loss,
     ]  # fmt: skip
     if name == "dtp":
         argv.append("--lslm-joint")
@@ -149,8 +165,12 @@ def build_model(args: argparse.Namespace, name: str, seed: int) -> torch.nn.Modu
     """Model `name` freshly initialised from `seed`; the GPT-2 at the depth that matches the LSLM."""
     shared = runner_args(args, seed, name)
     torch.manual_seed(seed)
-    if name != "gpt2":
+    if name in SEGMENTED:
         return LSLMForCausalLM(runner.lslm_config(shared, shared.lslm[0]))
+    if name == "byte":
+        return byte_decoder_baseline(
+            sum(args.layers), args.width, head_dim=HEAD_WIDTH, n_positions=args.context
+        )
     depth = gpt2_depth(args)
     return byte_gpt2_baseline(n_layer=depth, n_embd=args.width, n_positions=args.context, head_dim=HEAD_WIDTH)
 
@@ -345,11 +365,15 @@ def score_model(
     """The record of trained model `name`: bits per byte and per character on `texts`, the training
     curves, and for a segmenter its boundary figures."""
     start = time.perf_counter()
-    bpb = runner.evaluate(model, texts, shared)
+    # The code length over the 256 byte ids (a valid code: each position's logits read the bytes before
+    # it alone, an LSLM's segmentation included), and over every output id as before issue 28.
+    bpb = renormalized_bits(model, texts, shared)
+    bpb_all = runner.evaluate(model, texts, shared)
     # Bits per character: the same total bits over the text's characters instead of its bytes.
     bpc = {language: bpb[language] * len(text.encode()) / len(text) for language, text in texts.items()}
     record = dict(model=name, seed=seed, parameters=model.num_parameters(), train_loss=tail_loss(history),
-                  train_seconds=train_seconds, bits_per_byte=bpb, bits_per_char=bpc)  # fmt: skip
+                  train_seconds=train_seconds, bits_per_byte=bpb, bits_per_byte_all_ids=bpb_all,
+                  bits_per_char=bpc)  # fmt: skip
     kept = [key for key in CURVES if all(key in step for step in history)]
     record["curves"] = {key: [step[key] for step in history] for key in kept}
     if name in SEGMENTED:
@@ -357,6 +381,22 @@ def score_model(
                       heldout=evaluate_segmenter(model, shared, texts))  # fmt: skip
     record["eval_seconds"] = time.perf_counter() - start
     return record
+
+
+def renormalized_bits(model: torch.nn.Module, texts: dict[str, str], shared: argparse.Namespace) -> dict:
+    """Bits per byte per language with the softmax over the 256 byte ids (`normalization="bytes"`)."""
+    tokenizer = ByteTokenizer()
+    return {
+        language: bits_per_byte(
+            model,
+            tokenizer,
+            text,
+            context=shared.context,
+            batch_size=shared.batch_size,
+            normalization="bytes",
+        ).bits_per_byte
+        for language, text in texts.items()
+    }
 
 
 def draw(runs: list[dict], path: str) -> bool:
@@ -390,7 +430,8 @@ def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
     print(f"\n[models] width {args.width} everywhere, heads of width {HEAD_WIDTH}")
     shapes = dict(
         gpt2=f"GPT-2 {gpt2_depth(args)} layers",
-        lslm=f"LSLM {'+'.join(map(str, args.layers))} layers, KL prior, interleaved k=1",
+        byte=f"the project's decoder, {sum(args.layers)} layers (the LSLM's depth)",
+        lslm=f"LSLM {'+'.join(map(str, args.layers))} layers, paper defaults, interleaved k=1",
         dtp=f"LSLM {'+'.join(map(str, args.layers))} layers, binomial prior, joint",
     )
     for name, count in counts.items():
@@ -399,7 +440,12 @@ def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
 
 def print_score_tables(runs: list[dict], split: str) -> None:
     grouped = by_model(runs)
-    for field, title in (("bits_per_byte", "bits per byte"), ("bits_per_char", "bits per character")):
+    fields = (
+        ("bits_per_byte", "bits per byte (softmax over the 256 byte ids)"),
+        ("bits_per_byte_all_ids", "bits per byte (softmax over all 261 ids, the pre-issue-28 figure)"),
+        ("bits_per_char", "bits per character (byte-id softmax)"),
+    )
+    for field, title in fields:
         print(f"\n[{split} {title}] mean ± std over seeds")
         print(f"{'model':<6}" + "".join(f"{language:>18}" for language in LANGUAGES))
         for name, group in grouped.items():
@@ -408,7 +454,13 @@ def print_score_tables(runs: list[dict], split: str) -> None:
             )
     print("\n[paired differences, bits per byte] per seed (same batches), mean ± std; < 0: first is better")
     print(f"{'pair':<12}" + "".join(f"{language:>18}" for language in LANGUAGES))
-    for first, second in (("lslm", "gpt2"), ("dtp", "gpt2"), ("lslm", "dtp")):
+    for first, second in (
+        ("lslm", "byte"),
+        ("lslm", "gpt2"),
+        ("dtp", "byte"),
+        ("lslm", "dtp"),
+        ("byte", "gpt2"),
+    ):
         pairs = list(zip(grouped[first], grouped[second], strict=True))
         cells = [
             cell([a["bits_per_byte"][lang] - b["bits_per_byte"][lang] for a, b in pairs])
@@ -470,7 +522,9 @@ def directions(runs: list[dict]) -> dict[str, bool]:
         return mean_std([run["bits_per_byte"][language] for run in grouped[name]])
 
     verdict = {
-        f"lslm<=gpt2 {lang}": stats("lslm", lang)[0] <= stats("gpt2", lang)[0] for lang in ("zh", "ja")
+        f"lslm<={baseline} {lang}": stats("lslm", lang)[0] <= stats(baseline, lang)[0]
+        for baseline in ("gpt2", "byte")
+        for lang in ("zh", "ja")
     }
     verdict["lslm<=gpt2+1std en"] = stats("lslm", "en")[0] <= sum(stats("gpt2", "en"))
     for name in SEGMENTED:
@@ -494,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     counts = {name: build_model(args, name, 0).num_parameters() for name in MODELS}
-    check_parameter_match(counts)
+    check_parameter_match({name: counts[name] for name in PARAMETER_MATCHED})
     print_models(counts, args)
     fit, texts = texts_for(args)
     split = "validation" if args.validation else "held-out"

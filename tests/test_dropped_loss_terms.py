@@ -26,7 +26,7 @@ from tests.conformance.families import (
 FAMILIES = {
     "conceptmoe": (_conceptmoe_class, _conceptmoe_config, "the ratio loss (aux_loss_weight="),
     "dlcm": (_dlcm_class, _dlcm_config, "the ratio loss (aux_loss_weight="),
-    "lslm": (_lslm_class, _lslm_config, "the kl prior term (kl_weight="),
+    "lslm": (_lslm_class, _lslm_config, "the beta_binomial prior term (kl_weight="),
     "hidden_decoding": (
         _hidden_decoding_class,
         lambda **overrides: _hidden_decoding_config(**{"stream_supervision": "all_streams", **overrides}),

@@ -177,6 +177,7 @@ def test_decoder_cache_holds_one_segment_not_the_context():
     for store in (cache.segment_store, cache.cross_store, cache.decoder_store):
         tensors += [*store.keys.values(), *store.values.values(), store.lengths]
     tensors += [cache.token_valid, cache.byte_counts, cache.open_states, cache.open_counts, cache.rate_units]
+    tensors.append(cache.latest_segment)
     assert cache.num_bytes() == sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 

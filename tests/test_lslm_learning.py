@@ -124,7 +124,7 @@ def router_logit_gradients(model: LSLMForCausalLM) -> tuple[torch.Tensor, torch.
 
 
 def test_the_lm_loss_reaches_the_router_at_every_free_byte(fixed_noise):
-    model = tiny_lslm(kl_weight=0.0)
+    model = tiny_lslm(kl_weight=0.0, boundary_estimator="confidence")
     logit_grad, free, parameter_grads = router_logit_gradients(model)
     assert free.sum() > 20
     # Every free byte's decision, closing or not, has a gradient from the LM loss alone.
@@ -133,7 +133,7 @@ def test_the_lm_loss_reaches_the_router_at_every_free_byte(fixed_noise):
 
 
 def test_router_gradients_match_the_reference_estimator(fixed_noise, monkeypatch):
-    model = tiny_lslm(kl_weight=0.0)
+    model = tiny_lslm(kl_weight=0.0, boundary_estimator="confidence")
     _, _, fast = router_logit_gradients(model)
     monkeypatch.setattr(modeling_lslm, "decision_confidence", decision_confidence_reference)
     _, _, reference = router_logit_gradients(model)
@@ -142,7 +142,7 @@ def test_router_gradients_match_the_reference_estimator(fixed_noise, monkeypatch
 
 
 def test_the_estimator_leaves_the_forward_value_unchanged(fixed_noise, monkeypatch):
-    model = tiny_lslm().train()
+    model = tiny_lslm(boundary_estimator="confidence").train()
     with torch.no_grad():
         with_estimator = model(**batch(), labels=batch()["input_ids"])
         monkeypatch.setattr(
@@ -208,7 +208,7 @@ def test_inference_closes_at_the_rate_training_samples():
 def test_defaults_follow_the_paper_and_an_unreachable_threshold_warns(caplog):
     config = LSLMConfig()
     assert (config.prior_mean, config.kl_weight, config.update_schedule) == (0.7, 1.0, 1)
-    assert (config.boundary_rule, config.prior_loss) == ("rate", "kl")
+    assert (config.boundary_rule, config.prior_loss) == ("rate", "beta_binomial")
     with caplog.at_level(logging.WARNING):
         LSLMConfig(prior_mean=0.2, boundary_threshold=0.5, boundary_rule="threshold")
     assert "inference would close almost no segment" in caplog.text

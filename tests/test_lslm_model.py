@@ -89,7 +89,7 @@ def test_left_padded_rows_equal_rows_alone_and_packed_documents_equal_apart():
 
 
 def test_elbo_parts_and_forced_boundaries():
-    model = lslm(kl_weight=0.5, prior_alpha=1.0, prior_beta=4.0)
+    model = lslm(kl_weight=0.5, prior_alpha=1.0, prior_beta=4.0, prior_loss="kl")
     input_ids = encode("bytes in, segments out")["input_ids"]
     with torch.no_grad():
         outputs = model(input_ids, labels=input_ids)

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_lslm.py"
-MODELS = ("gpt2", "lslm", "dtp")
+MODELS = ("gpt2", "byte", "lslm", "dtp")
 LANGUAGES = ("en", "zh", "ja")
 TITLES = (
     "[models]",
-    "[held-out bits per byte]",
-    "[held-out bits per character]",
+    "[held-out bits per byte (softmax over the 256 byte ids)]",
+    "[held-out bits per byte (softmax over all 261 ids",
+    "[held-out bits per character (byte-id softmax)]",
     "[paired differences, bits per byte]",
     "[boundary rate: training",
     "[held-out segmentation]",
@@ -51,7 +52,7 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         assert printed.count(title) == 1, title
     assert not re.search(r"\b(nan|inf)\b", printed, re.IGNORECASE), printed
     # Every score row: one "mean ± std" cell per language, for each model.
-    for title in ("[held-out bits per byte]", "[held-out bits per character]"):
+    for title in ("[held-out bits per byte (softmax over the 256", "[held-out bits per character"):
         table = printed.split(title)[1].split("\n\n")[0]
         for name in MODELS:
             row = next(line for line in table.splitlines() if line.startswith(name))
@@ -66,11 +67,17 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
     figures = json.loads(figures_path.read_text(encoding="utf-8"))
     assert all(math.isfinite(value) for value in numbers(figures))
     assert figures["seeds"] == [0] and [run["model"] for run in figures["runs"]] == list(MODELS)
-    counts = figures["parameters"]
+    counts = {name: count for name, count in figures["parameters"].items() if name != "byte"}
     assert max(counts.values()) <= 1.05 * min(counts.values())
+    # The fair baseline is matched by width and depth: fewer parameters (no router, no cross-attention).
+    assert figures["parameters"]["byte"] < figures["parameters"]["lslm"]
     for run in figures["runs"]:
         assert set(run["bits_per_byte"]) == set(LANGUAGES) and run["train_seconds"] > 0
-        if run["model"] != "gpt2":
+        # Renormalised over the byte ids: never longer than the code over every id.
+        assert all(
+            run["bits_per_byte"][lang] <= run["bits_per_byte_all_ids"][lang] + 1e-9 for lang in LANGUAGES
+        )
+        if run["model"] in ("lslm", "dtp"):
             assert 0 < run["train_rates"]["boundary_rate"] <= 1
             for cell in run["heldout"]["languages"].values():
                 assert (
@@ -139,7 +146,7 @@ def test_a_killed_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
     process.wait()
     assert process.returncode == -signal.SIGKILL and not (folder / "results.jsonl").exists()
     status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
-    assert "running  lslm/gpt2/seed0" in status.stdout and "0 done, 1 running, 2 left" in status.stdout
+    assert "running  lslm/gpt2/seed0" in status.stdout and "0 done, 1 running, 3 left" in status.stdout
     resumed = tmp_path / "resumed.json"
     assert subprocess.run([*swept, "--json", str(resumed)], capture_output=True, timeout=300).returncode == 0
     timing = ("train_seconds", "eval_seconds", "wall_seconds", "run", "family", "arm")
@@ -150,4 +157,4 @@ def test_a_killed_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
         ]
 
     assert figures(resumed) == figures(plain)
-    assert len((folder / "results.jsonl").read_text().splitlines()) == 3
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 4

@@ -71,8 +71,9 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
 
 from hf_concept.modeling.configuration_lslm import LSLMConfig
+from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.modeling_lslm import byte_view
-from hf_concept.modeling.modeling_plain import default_position_ids
+from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM, default_position_ids
 from hf_concept.modeling.packing import document_starts
 from hf_concept.modeling.tokenization_lslm import (
     BYTE_OFFSET,
@@ -86,6 +87,7 @@ from hf_concept.modeling.tokenization_lslm import (
 
 DEFAULT_CONTEXT = 256
 CONVENTIONS = ("sliding", "lm-eval")
+NORMALIZATIONS = ("all", "bytes")
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,15 @@ def padded_windows(
 
 
 def _score_batch(
-    model: nn.Module, tokens: torch.Tensor, batch: list[tuple[int, int, int]], read_last: bool = True
+    model: nn.Module,
+    tokens: torch.Tensor,
+    batch: list[tuple[int, int, int]],
+    read_last: bool = True,
+    renormalize: bool = False,
 ) -> float:
     """Sum of -log p over the scored positions of `batch`'s windows, run as one right-padded forward pass.
-    `read_last=False` runs the model on each window without its last token, whose logits score nothing."""
+    `read_last=False` runs the model on each window without its last token, whose logits score nothing.
+    `renormalize=True` takes the softmax over the 256 byte ids only (`normalization="bytes"`)."""
     inputs = batch if read_last else [(start, first, end - 1) for start, first, end in batch]
     input_ids, attention_mask = padded_windows(tokens, inputs)
     device = next(model.parameters()).device
@@ -179,12 +186,15 @@ def _score_batch(
         )
     # float64, so that summing thousands of terms keeps the total exact to ~1e-12 (a uniform model
     # scores log2 V to that precision).
-    log_probs = F.log_softmax(logits.double(), dim=-1).cpu()  # (B, T, V)
+    offset = BYTE_OFFSET if renormalize else 0
+    if renormalize:
+        logits = logits[..., BYTE_OFFSET : BYTE_OFFSET + 256]
+    log_probs = F.log_softmax(logits.double(), dim=-1).cpu()  # (B, T, V or 256)
     total = 0.0
     for row, (start, first, end) in enumerate(batch):
         # Position p's logits predict token p + 1; the scored tokens are first..end-1.
         predicted = log_probs[row, first - start - 1 : end - start - 1]  # (n, V)
-        targets = tokens[first:end].unsqueeze(-1)  # (n, 1)
+        targets = tokens[first:end].unsqueeze(-1) - offset  # (n, 1)
         total -= predicted.gather(-1, targets).sum().item()
     return total
 
@@ -231,6 +241,7 @@ def bits_per_byte(
     stride: int | None = None,
     batch_size: int = 8,
     convention: str = "sliding",
+    normalization: str = "all",
 ) -> BitsPerByte:
     """Bits per byte of `text` under the causal LM `model` (counting rules in the module docstring).
 
@@ -246,9 +257,20 @@ def bits_per_byte(
         batch_size: windows per forward pass.
         convention: "sliding" (ours: bytes only, overlapping windows) or "lm-eval" (lm-evaluation-harness's
             rolling loglikelihood and `bits_per_byte`: specials scored too, disjoint blocks).
+        normalization: "all" (the softmax over every output id, special ids included) or "bytes" (the
+            softmax over the 256 byte ids only, "sliding" only). "bytes" is the code length of a coder
+            that knows the next token is a byte. It is a valid code whenever each position's logits are a
+            function of the tokens before it alone, as for an LSLM in eval mode, whose segmentation is a
+            deterministic, causal function of the bytes read: the probability mass its decoder puts on
+            `<nxt>`, `<bos>` and the other specials, which no byte of the text can take, goes back to the
+            bytes instead of being lost (issue 28).
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"convention={convention!r} must be one of {CONVENTIONS}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r} must be one of {NORMALIZATIONS}")
+    if normalization == "bytes" and convention != "sliding":
+        raise ValueError("normalization='bytes' scores bytes only: use it with convention='sliding'")
     if convention == "lm-eval":
         length = _lm_eval_window(model, context, stride, batch_size)
         tokens = torch.tensor(_lm_eval_tokens(tokenizer, text), dtype=torch.long)
@@ -264,7 +286,13 @@ def bits_per_byte(
     model.eval()
     try:
         nats = sum(
-            _score_batch(model, tokens, windows[index : index + batch_size], convention == "sliding")
+            _score_batch(
+                model,
+                tokens,
+                windows[index : index + batch_size],
+                convention == "sliding",
+                normalization == "bytes",
+            )
             for index in range(0, len(windows), batch_size)
         )
     finally:
@@ -526,6 +554,28 @@ def byte_gpt2_baseline(
         **config_kwargs,
     )
     return GPT2LMHeadModel(config)
+
+
+def byte_decoder_baseline(
+    n_layer: int, n_embd: int, *, head_dim: int = 32, n_positions: int = 1024
+) -> PlainDecoderForCausalLM:
+    """The fair byte baseline of an LSLM (issue 28): the project's own decoder (`PlainDecoderForCausalLM`:
+    SwiGLU MLPs 4x wide, RMSNorm, RoPE, the LSLM stages' layers) over the 261-id byte vocabulary, at the
+    LSLM's width and total depth. Seed torch before calling for reproducible weights."""
+    if n_embd % head_dim:
+        raise ValueError(f"n_embd={n_embd} must be a multiple of head_dim={head_dim}")
+    config = PlainDecoderConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=n_embd,
+        intermediate_size=4 * n_embd,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_embd // head_dim,
+        max_position_embeddings=n_positions,
+        bos_token_id=SEQUENCE_START_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    return PlainDecoderForCausalLM(config)
 
 
 def lslm_config_for(

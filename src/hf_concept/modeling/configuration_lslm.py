@@ -7,15 +7,30 @@ segments before it. The segment encoder uses the plain fields (`hidden_size`, `n
 (`token_*`, `decoder_*`, default: the segment encoder's), with projections where widths differ.
 
 Boundaries (z_t = 1: byte t ends a segment) come from the ffn-gumbel router p̂_t = sum(FFN(h_t)), sampled
-in training as σ(p̂_t + g′ − g″) ≥ 0.5 with a straight-through estimator, thresholded at inference. The
-objective is the ELBO: cross-entropy of the decoder's bytes and `<nxt>` markers + `kl_weight` · KL of the
-boundary posterior to Bernoulli(`prior_mean`) (a Beta(a, b) prior has mean a / (a + b): give `prior_alpha`
-and `prior_beta` instead). `update_schedule` = k: k generator steps, then one inference-network step.
-Defaults follow the paper's best setting: prior mean 0.7, β = `kl_weight` = 1, interleaving with k = 1.
-`prior_loss="binomial"` replaces the per-byte KL by DTP's count prior (−log Binomial(k; n, prior_mean) of
-each row's k sampled boundaries in n free bytes, straight-through to every sample, weighted by
-`kl_weight`): dynamic pooling without the variational prior, the paper's DTP baseline in this
-architecture (DTP's own hourglass model is not implemented here).
+in training as σ(p̂_t + g′ − g″) ≥ 0.5, thresholded at inference. `boundary_estimator` says how the LM
+loss reaches the router: "straight_through" (default, the paper's §2.6: the hard sample passes its
+gradient straight through into dynamic pooling's matrix, `segment_estimators`), "straight_through_targets"
+(also through the decoder's target at the byte's slot, `<nxt>` or the next byte; on the synthetic word
+language it drives the rate to 0 or 1 unless the prior is strong, see README) or "confidence" (each byte
+and decoder slot scaled by its decision's straight-through confidence, H-Net's multiplier, the form
+before issue 28). The objective is the ELBO: cross-entropy of the decoder's bytes and `<nxt>` markers +
+`kl_weight` (β) · the boundary prior's term. `prior_loss` picks that term:
+- "beta_binomial" (default, the paper's Beta(a, b) prior on the boundary rate): −log of the Beta-Binomial
+  probability of each row's sampled number of ends, a = `prior_mean` · `prior_concentration`, b =
+  (1 − `prior_mean`) · `prior_concentration` (or `prior_alpha`, `prior_beta` given directly). It scores
+  the count only, so single bytes are free to be near 0 or 1;
+- "kl": KL(Bernoulli(q_t) ‖ Bernoulli(`prior_mean`)) per byte, the i.i.d. form, which pins every q_t at
+  the prior mean;
+- "binomial": DTP's count prior −log Binomial(k; n, `prior_mean`) (a Beta of infinite concentration).
+`update_schedule` = k: k generator steps, then one inference-network step. Defaults follow the paper's
+best setting: prior mean 0.7, β = `kl_weight` = 1, interleaving with k = 1.
+
+The segment decoder knows which segment it continues: with `decoder_latest_segment` (default True) the
+latest encoded segment s'_m (the null segment before the first), projected to the decoder's width, is
+added to the input of every slot of segment m + 1. The paper's decoder is conditioned on s'_{0:m}
+(§2.3), but cross-attention alone carries no order: every segment's `<bos>` slot sends the same query
+and cannot tell the latest segment from the others. Configs saved before these fields existed load with
+the former behaviour (no latest-segment input, "kl", "confidence"), as their weights were trained.
 
 Inference decides with `boundary_rule`. Training samples a boundary with probability q_t (σ(p̂ + g′ − g″)
 ≥ ½ is a Bernoulli(q_t) draw), so it closes Σ q_t bytes of a text in expectation. "rate" (default) closes
@@ -40,7 +55,10 @@ from .pooling import parse_pooling_method
 
 logger = logging.get_logger(__name__)
 
-PRIOR_LOSSES = ("kl", "binomial")
+PRIOR_LOSSES = ("beta_binomial", "kl", "binomial")
+BOUNDARY_ESTIMATORS = ("straight_through", "straight_through_targets", "confidence")
+# What a config saved before issue 28 meant by leaving these fields out.
+LEGACY_FIELDS = {"prior_loss": "kl", "boundary_estimator": "confidence", "decoder_latest_segment": False}
 BOUNDARY_RULES = ("rate", "threshold")
 
 # The model tells padding, sequence start and end and the segment markers apart by id alone.
@@ -90,8 +108,11 @@ class LSLMConfig(PlainDecoderConfig):
     prior_mean: float | None = None
     prior_alpha: float | None = None
     prior_beta: float | None = None
+    prior_concentration: float = 100.0
     kl_weight: float = 1.0
-    prior_loss: str = "kl"
+    prior_loss: str = "beta_binomial"
+    boundary_estimator: str = "straight_through"
+    decoder_latest_segment: bool = True
     update_schedule: int = 1
     boundary_threshold: float = 0.5
     boundary_rule: str = "rate"
@@ -109,6 +130,21 @@ class LSLMConfig(PlainDecoderConfig):
         super().__post_init__(**kwargs)
         # Once per config (not in check_fields, which the model calls again).
         self._warn_unreachable_threshold()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """A saved config (it names its transformers version) that predates issue 28's fields keeps the
+        behaviour its weights were trained with (`LEGACY_FIELDS`)."""
+        if "transformers_version" in config_dict and "boundary_estimator" not in config_dict:
+            config_dict = {**LEGACY_FIELDS, **config_dict}
+        return super().from_dict(config_dict, **kwargs)
+
+    def beta_prior(self) -> tuple[float, float]:
+        """(a, b) of the Beta prior on the boundary rate: `prior_alpha`, `prior_beta` when given, else from
+        `prior_mean` and `prior_concentration` (a + b)."""
+        if self.prior_alpha is not None:
+            return self.prior_alpha, self.prior_beta
+        return self.prior_mean * self.prior_concentration, (1 - self.prior_mean) * self.prior_concentration
 
     def _fill_stage_defaults(self) -> None:
         split = (self.token_encoder_layers, self.segment_encoder_layers, self.decoder_layers)
@@ -157,6 +193,13 @@ class LSLMConfig(PlainDecoderConfig):
         _check_number("kl_weight", self.kl_weight)
         if self.prior_loss not in PRIOR_LOSSES:
             raise ValueError(f"prior_loss={self.prior_loss!r} must be one of {', '.join(PRIOR_LOSSES)}")
+        # Beyond 1e6 the Beta-Binomial is the Binomial to float32 precision; lgamma of larger sums loses it.
+        _check_number("prior_concentration", self.prior_concentration, 0, 1e6, brackets="(]")
+        if self.boundary_estimator not in BOUNDARY_ESTIMATORS:
+            estimators = ", ".join(BOUNDARY_ESTIMATORS)
+            raise ValueError(f"boundary_estimator={self.boundary_estimator!r} must be one of {estimators}")
+        if not isinstance(self.decoder_latest_segment, bool):
+            raise ValueError(f"decoder_latest_segment={self.decoder_latest_segment!r} must be True or False")
         # The "threshold" rule closes where q_t >= threshold: 0 would close every byte whatever the router
         # says; 1 closes only where the router is sure (q_t == 1), as in ConceptMoE and DLCM.
         _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="(]")

@@ -51,6 +51,10 @@ class SegmentCacheSteps:
             [self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1), segments], 1
         )
         cache.cross_store.fill(closed + 1)
+        if self.segment_to_decoder is not None:
+            # The latest closed segment (table row `closed`; row 0, the null segment, when none).
+            latest = torch.gather(table, 1, closed[:, None, None].expand(-1, 1, table.shape[-1]))
+            cache.latest_segment = self.segment_to_decoder(latest)[:, 0]  # (B, Dd)
         for layer in self.decoder_layers:
             cache.cross_store.update(*layer.cross_attn.project_segments(table), layer.layer_idx)
         # The open segment's bytes, left-aligned (the view's bytes sit at the right end of each row).
@@ -73,9 +77,15 @@ class SegmentCacheSteps:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         valid = positions < lengths[:, None]
         self_allowed = document_causal_mask(valid, valid.long())
-        states = self.decoder_embed_tokens(ids)
+        states = self.with_latest_segment(cache, self.decoder_embed_tokens(ids))
         rope = self.decoder_rotary_emb(states, positions)
         self.decoder_pass(cache, states, self_allowed, rope)
+
+    def with_latest_segment(self, cache: SegmentCache, states: torch.Tensor) -> torch.Tensor:
+        """(B, n, Dd) decoder inputs plus each row's latest segment (`decoder_latest_segment`)."""
+        if self.segment_to_decoder is None:
+            return states
+        return states + cache.latest_segment[:, None].to(states.dtype)
 
     def decoder_pass(self, cache: SegmentCache, states, self_allowed, rope) -> torch.Tensor:
         """Decoder layers over new slots, self K/V into the decoder store, cross K/V from the cross store."""
@@ -129,7 +139,7 @@ class SegmentCacheSteps:
         store = cache.decoder_store
         store.reset(restart)
         ids = torch.where(restart, config.segment_start_token_id, input_ids)[:, None]
-        states = self.decoder_embed_tokens(ids)
+        states = self.with_latest_segment(cache, self.decoder_embed_tokens(ids))
         rope = self.decoder_rotary_emb(states, store.lengths[:, None])
         store.begin(real)
         states = self.decoder_pass(cache, states, store.allowed()[:, None, None, :], rope)
@@ -228,6 +238,11 @@ class SegmentCacheSteps:
         for layer in self.decoder_layers:
             cache.cross_store.update(*layer.cross_attn.project_segments(states), layer.layer_idx)
         cache.cross_store.end()
+        if self.segment_to_decoder is not None:
+            # A new tensor, never written in place: a rollback snapshot may hold the old one.
+            cache.latest_segment = torch.where(
+                closing[:, None], self.segment_to_decoder(states[:, 0]), cache.latest_segment
+            )
         cache.open_counts = cache.open_counts.masked_fill(closing, 0)
 
 

@@ -37,9 +37,10 @@ class Segmentation:
     """One pass's boundaries over a `ByteView`, each (B, T): `ends` (byte t ends a segment), `logits` p̂_t
     and `probs` q_t (float32), `forced` (ends not decided by the router: `<BoS>`, `<eos>`, a document's
     last byte, a byte before a marker), `content_ends` (ends decided by the byte itself: the router,
-    `<BoS>`, `<eos>`), `index` (segment of each byte, -1 elsewhere) and `opens`. `confidence`: in training,
-    each byte's straight-through decision confidence (`routing.decision_confidence`: value 1, gradient to
-    the byte's own Gumbel-sigmoid sample); None in eval mode."""
+    `<BoS>`, `<eos>`), `index` (segment of each byte, -1 elsewhere) and `opens`. `confidence`: in training
+    with `boundary_estimator="confidence"`, each byte's straight-through decision confidence
+    (`routing.decision_confidence`: value 1, gradient to the byte's own Gumbel-sigmoid sample); None
+    otherwise."""
 
     ends: torch.Tensor
     logits: torch.Tensor
@@ -53,6 +54,9 @@ class Segmentation:
     relaxed: torch.Tensor | None = None
     # What inference would decide on these bytes (`boundary_rule`), for the logged inference rate.
     inferred: torch.Tensor | None = None
+    # Training with the straight-through estimator: the ends as 0/1 floats whose gradient reaches the
+    # samples (`segment_estimators.straight_through_ends`); None otherwise.
+    straight_ends: torch.Tensor | None = None
 
 
 @dataclass

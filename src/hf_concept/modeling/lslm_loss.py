@@ -3,14 +3,17 @@ rates, and the decoder targets that HF-style `labels` give (modeling_lslm's modu
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .configuration_lslm import LSLMConfig
-from .lslm_layout import Segmentation
+from .lslm_layout import ByteView, DecoderSlots, Segmentation
 from .routing import bernoulli_kl_from_logits, binomial_prior_nll
+from .segment_estimators import beta_binomial_prior_nll, straight_through_target_losses
+from .tokenization_lslm import BYTE_OFFSET
 
 if TYPE_CHECKING:
     from .lslm_outputs import LSLMPass
@@ -18,18 +21,22 @@ if TYPE_CHECKING:
 
 def prior_loss_sum(segmentation: Segmentation, free: torch.Tensor, config: LSLMConfig) -> torch.Tensor:
     """The boundary prior's term of the negative ELBO, summed over the batch (the caller normalises):
-    "kl": Σ over free bytes of KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean)); "binomial": Σ over rows of
-    −log Binomial(k; n, prior_mean), k the row's sampled ends among its n free bytes, counted
-    straight-through (Σ z_t + ẑ_t − sg(ẑ_t)) so that each sample gets the count's gradient."""
+    "beta_binomial": Σ over rows of −log BetaBinomial(k; n, a, b) (`LSLMConfig.beta_prior`);
+    "binomial": Σ over rows of −log Binomial(k; n, prior_mean); k the row's sampled ends among its n free
+    bytes, counted straight-through (Σ z_t + ẑ_t − sg(ẑ_t)) so that each sample gets the count's
+    gradient. "kl": Σ over free bytes of KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean))."""
+    if config.prior_loss == "kl":
+        kl = bernoulli_kl_from_logits(segmentation.logits, config.prior_mean)
+        return kl[free].sum()
+    relaxed = segmentation.relaxed if segmentation.relaxed is not None else segmentation.probs
+    straight = segmentation.ends.float() + relaxed - relaxed.detach()
+    counts = (straight * free).sum(dim=1)
+    totals = free.sum(dim=1)
     if config.prior_loss == "binomial":
-        relaxed = segmentation.relaxed if segmentation.relaxed is not None else segmentation.probs
-        straight = segmentation.ends.float() + relaxed - relaxed.detach()
-        counts = (straight * free).sum(dim=1)
-        totals = free.sum(dim=1)
         nll = binomial_prior_nll(counts, totals, config.prior_mean)
-        return nll[totals > 0].sum()
-    kl = bernoulli_kl_from_logits(segmentation.logits, config.prior_mean)
-    return kl[free].sum()
+    else:
+        nll = beta_binomial_prior_nll(counts, totals, *config.beta_prior())
+    return nll[totals > 0].sum()
 
 
 def boundary_metrics(segmentation: Segmentation, free: torch.Tensor) -> dict:
@@ -103,3 +110,74 @@ def labels_from_shift_labels(shift_labels: torch.Tensor, input_ids: torch.Tensor
             "pass -100 there, or pass `labels` aligned with input_ids"
         )
     return F.pad(shift_labels[:, :-1], (1, 0), value=-100)
+
+
+def elbo_fields(
+    config: LSLMConfig,
+    slot_logits: torch.Tensor,
+    slots: DecoderSlots,
+    segmentation: Segmentation,
+    view: ByteView,
+    targets: torch.Tensor | None,
+    predicted: torch.Tensor | None,
+) -> dict:
+    """The metrics, and with `targets` (B, S) (`label_targets`) the loss: the negative ELBO's sums over
+    this batch divided by `predicted`, the bytes the whole step predicts (see `LSLMForCausalLM`)."""
+    mask = view.mask
+    free = mask & ~segmentation.forced
+    fields = boundary_metrics(segmentation, free)
+    segments = int((segmentation.index.max(dim=1).values + 1).clamp(min=0).sum())
+    fields["compression_ratio"] = (mask.sum() / max(segments, 1)).detach().float()
+    if targets is None:
+        return fields
+    counted = targets != -100
+    log_probs = F.log_softmax(slot_logits.float(), dim=-1)  # (B, S, V)
+    losses = -torch.gather(log_probs, 2, targets.clamp(min=0)[..., None])[..., 0] * counted
+    if segmentation.straight_ends is not None and config.boundary_estimator == "straight_through_targets":
+        losses = straight_through_slot_losses(config, log_probs, losses, targets, segmentation, view, slots)
+    lm_sum = losses[counted].sum()
+    lm_loss = lm_sum / counted.sum().clamp(min=1)
+    byte_targets = targets >= BYTE_OFFSET
+    bits = losses[byte_targets].sum() / byte_targets.sum().clamp(min=1) / math.log(2.0)
+    # Sums over the batch, normalised by the step's predicted bytes: micro-batches and ranks add up.
+    prior_sum = prior_loss_sum(segmentation, free, config)
+    fields.update(
+        loss=(lm_sum + config.kl_weight * prior_sum) / predicted,
+        lm_loss=lm_loss.detach(),
+        # The prior term per free byte (the KL's mean, or the count prior's share).
+        kl_loss=(prior_sum / free.sum().clamp(min=1)).detach(),
+        bits_per_byte=bits.detach(),
+    )
+    return fields
+
+
+def straight_through_slot_losses(
+    config: LSLMConfig,
+    log_probs: torch.Tensor,
+    losses: torch.Tensor,
+    targets: torch.Tensor,
+    segmentation: Segmentation,
+    view: ByteView,
+    slots: DecoderSlots,
+) -> torch.Tensor:
+    """(B, S) slot losses with each free byte's end decision passed straight through its slot's target
+    (`segment_estimators.straight_through_target_losses`): same values, a gradient to the decision from
+    the slot's `<nxt>` and next-byte log-probabilities. Bytes whose slot target a label changed, and a
+    document's last byte, keep their loss as it is."""
+    end_id = config.segment_end_token_id
+    next_ids = F.pad(view.ids, (0, 1), value=config.pad_token_id)[:, 1:]
+    next_documents = F.pad(view.documents, (0, 1), value=-1)[:, 1:]
+    has_next = view.mask & (next_documents == view.documents)
+    slot = slots.token_slot.clamp(min=0)  # (B, T)
+    slot_targets = torch.gather(targets, 1, slot)
+    expected = torch.where(segmentation.ends, slot_targets == end_id, slot_targets == next_ids)
+    usable = has_next & ~segmentation.forced & expected
+    at_bytes = torch.gather(log_probs, 1, slot[..., None].expand(-1, -1, log_probs.shape[-1]))  # (B, T, V)
+    end_losses = -at_bytes[..., end_id]
+    continue_losses = -torch.gather(at_bytes, 2, next_ids[..., None])[..., 0]
+    mixed = straight_through_target_losses(segmentation.straight_ends, end_losses, continue_losses)
+    sink = losses.shape[1]  # scatter index of the bytes that keep their loss; dropped
+    extended = F.pad(losses, (0, 1)).scatter(
+        1, torch.where(usable, slot, sink), torch.where(usable, mixed, 0.0)
+    )
+    return extended[:, :sink]

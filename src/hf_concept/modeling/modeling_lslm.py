@@ -18,19 +18,25 @@ Pass, per row (left padding and packed documents allowed):
    sum of q passes a half-integer, `boundary_rules`; "threshold": q_t ≥ `boundary_threshold`);
    `<BoS>`, `<eos>`, a byte before a marker and the last byte of a packed document always end a
    segment, pads never do;
-3. segments pooled (`mean` or `hops:N`, the segment's own bytes only), projected to D. In training each
-   byte enters its segment, and its decoder slot, times the straight-through confidence of its own
-   decision (`routing.decision_confidence`: value 1, gradient to its sample), so the LM loss reaches
-   every boundary decision;
+3. segments pooled (`mean` or `hops:N`, the segment's own bytes only), projected to D. In training the
+   LM loss reaches the router by `boundary_estimator`: "straight_through" (default, LSLM §2.6) passes
+   each hard decision's gradient to its Gumbel-sigmoid sample and on into dynamic pooling's matrix
+   (`segment_estimators`: each byte's weight in its segment is 1 in value, with a gradient to every end
+   decision before it); "straight_through_targets" also through the decoder target of the byte's slot;
+   "confidence" scales each byte's pooled state and decoder slot by its decision's straight-through
+   confidence (`routing.decision_confidence`);
 4. segment encoder (causal over the segments of a document; RoPE at the segment's ordinal);
 5. decoder over slots: segment m is written as [`<bos>`, its bytes] and predicts [its bytes, `<nxt>`];
    self-attention within the segment (causal), cross-attention to the encoded segments before m in its
-   document plus a learned null segment (so the first segment has something to read);
+   document plus a learned null segment (so the first segment has something to read), and, with
+   `decoder_latest_segment`, the latest of those segments (projected) added to every slot's input: the
+   cross-attention carries no order, so without it a `<bos>` slot cannot tell which segment it continues;
 6. the ELBO: cross-entropy over the decoder's targets (bytes and `<nxt>`; nothing is predicted for
-   `<BoS>`'s segment or after `<eos>`) + `kl_weight` · KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean)) over the
-   bytes whose boundary is not forced (log-space, `routing.bernoulli_kl_from_logits`; or DTP's binomial
-   count prior with `prior_loss="binomial"`), summed and divided by the step's predicted bytes (see
-   `LSLMForCausalLM`). `bits_per_byte` = the cross-entropy of byte targets alone / ln 2.
+   `<BoS>`'s segment or after `<eos>`) + `kl_weight` · the boundary prior's term over the bytes whose
+   boundary is not forced (`prior_loss`: the Beta prior's Beta-Binomial count term by default, the
+   per-byte Bernoulli KL, or DTP's binomial count prior; `lslm_loss`), summed and divided by the step's
+   predicted bytes (see `LSLMForCausalLM`). `bits_per_byte` = the cross-entropy of byte targets alone /
+   ln 2.
 
 Per-token logits (the causal-LM interface) predict the input token after each column: the slot of the
 column's byte while its segment is open; once the segment has closed (by the byte: router, `<BoS>`,
@@ -92,7 +98,7 @@ from .lslm_layout import (
     token_aligned_attentions,
     token_slots,
 )
-from .lslm_loss import boundary_metrics, label_targets, labels_from_shift_labels, prior_loss_sum
+from .lslm_loss import elbo_fields, label_targets, labels_from_shift_labels
 from .lslm_outputs import LSLMCausalLMOutput, LSLMModelOutput, LSLMPass, at_input_columns
 from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
@@ -103,7 +109,11 @@ from .routing import (
     sample_gumbel_noise,
 )
 from .segment_cache import RaggedStore, SegmentCache
-from .tokenization_lslm import BYTE_OFFSET
+from .segment_estimators import (
+    straight_through_ends,
+    straight_through_pool_weights,
+    weighted_segment_means,
+)
 
 INPUTS_EMBEDS_MESSAGE = "LSLM reads byte ids: inputs_embeds is not supported, pass input_ids"
 
@@ -158,6 +168,10 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         self.segment_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.null_segment = nn.Parameter(torch.zeros(width))
         self.decoder_embed_tokens = nn.Embedding(config.vocab_size, decoder_width, config.pad_token_id)
+        # The latest segment, added to the decoder's input (`LSLMConfig.decoder_latest_segment`).
+        self.segment_to_decoder = (
+            nn.Linear(width, decoder_width, bias=False) if config.decoder_latest_segment else None
+        )
         first += config.segment_encoder_layers
         self.decoder_layers = nn.ModuleList(
             SegmentDecoderLayer(config, first + i) for i in range(config.decoder_layers)
@@ -338,10 +352,24 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         ends = content_ends | forced
         opens = (_previous(ends, False) | view.starts) & mask
         # Training only: the eval forward (and so generation's exactness) never sees the estimator.
-        confidence = decision_confidence(relaxed, ends, mask & ~forced) if self.training else None
+        confidence, straight = None, None
+        if self.training and config.boundary_estimator == "confidence":
+            confidence = decision_confidence(relaxed, ends, mask & ~forced)
+        elif self.training:
+            straight = straight_through_ends(relaxed, ends, mask & ~forced)
         index = chunk_index(opens, mask)
         return Segmentation(
-            ends, logits, probs, forced, content_ends, index, opens, confidence, relaxed, inferred & mask
+            ends,
+            logits,
+            probs,
+            forced,
+            content_ends,
+            index,
+            opens,
+            confidence,
+            relaxed,
+            inferred & mask,
+            straight,
         )
 
     def inference_decisions(self, probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor):
@@ -361,6 +389,19 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             token_states = token_states * segmentation.confidence[..., None].to(token_states.dtype)
         pooled, valid = pool_concepts(token_states, segmentation.opens, view.mask, self.config.pooling)
         num_segments = pooled.shape[1]
+        if segmentation.straight_ends is not None:
+            # LSLM §2.6: the hard ends pass their gradient straight through into the pooling matrix;
+            # the weights are exactly 1, so the pooled values are those above.
+            weights = straight_through_pool_weights(segmentation.straight_ends, view.mask)
+            if self.config.pooling == "mean":
+                pooled = weighted_segment_means(token_states, weights, segmentation.index, num_segments)
+            else:
+                pooled, _ = pool_concepts(
+                    token_states * weights[..., None].to(token_states.dtype),
+                    segmentation.opens,
+                    view.mask,
+                    self.config.pooling,
+                )
         if self.segment_in_proj is not None:
             pooled = self.segment_in_proj(pooled)
         segment_documents = torch.zeros_like(valid, dtype=torch.long)
@@ -434,6 +475,9 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
 
     def decode(self, slots: DecoderSlots, segments, segment_valid, segment_documents) -> torch.Tensor:
         """(B, S, Dd) normed decoder states of every slot."""
+        table = torch.cat(
+            [self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1), segments], 1
+        )  # (B, 1 + M, D): the null segment, then the encoded ones
         states = self.decoder_embed_tokens(slots.ids)
         if slots.confidence is not None:
             # The decoder's conditioning on each decision: a byte's slot (z_t = 0: the segment goes on)
@@ -448,10 +492,10 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             torch.arange(segments.shape[1], device=valid.device)[None, None, :] < slots.reads[:, :, None]
         )
         same_document = segment_documents[:, None, :] == slots.document[:, :, None]
-        cross_allowed = F.pad(earlier & same_document & segment_valid[:, None, :], (1, 0), value=True)
-        table = torch.cat(
-            [self.null_segment.to(segments.dtype).expand(segments.shape[0], 1, -1), segments], 1
-        )
+        readable = earlier & same_document & segment_valid[:, None, :]  # (B, S, M)
+        if self.segment_to_decoder is not None:
+            states = states + self.latest_segment_inputs(table, readable)
+        cross_allowed = F.pad(readable, (1, 0), value=True)
         rope = self.decoder_rotary_emb(states, slots.position)
         for layer in self.decoder_layers:
             keys, values = layer.cross_attn.project_segments(table)
@@ -464,6 +508,19 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
                 position_embeddings=rope,
             )
         return self.decoder_norm(states)
+
+    def latest_segment_inputs(self, table: torch.Tensor, readable: torch.Tensor) -> torch.Tensor:
+        """(B, S, Dd) what each slot adds to its input: the projection of the latest segment it may read
+        (`readable` (B, S, M): its document's segments closed before its own segment began), or of the
+        null segment when there is none (a document's first segment, empty slots)."""
+        projected = self.segment_to_decoder(table)  # (B, 1 + M, Dd)
+        numbers = torch.arange(1, readable.shape[-1] + 1, device=readable.device)
+        rows = (
+            (readable * numbers).amax(dim=-1)
+            if readable.shape[-1]
+            else readable.new_zeros(readable.shape[:2])
+        )
+        return torch.gather(projected, 1, rows.long()[..., None].expand(-1, -1, projected.shape[-1]))
 
 
 class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMixin):
@@ -628,8 +685,8 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
                 predicted = (labels[:, 1:] != -100).sum().clamp(min=1)
             else:
                 predicted = torch.as_tensor(num_items_in_batch, device=logits.device)
-        fields = self.elbo(
-            slot_logits, layout.slots, layout.segmentation, layout.view.mask, targets, predicted
+        fields = elbo_fields(
+            self.config, slot_logits, layout.slots, layout.segmentation, layout.view, targets, predicted
         )
         return LSLMCausalLMOutput(
             logits=logits,
@@ -640,43 +697,6 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
             boundary_probs=layout.boundary_probs,
             **fields,
         )
-
-    def elbo(
-        self,
-        slot_logits,
-        slots: DecoderSlots,
-        segmentation: Segmentation,
-        mask,
-        targets: torch.Tensor | None,
-        predicted: torch.Tensor | None,
-    ) -> dict:
-        """The metrics, and with `targets` (B, S) (`label_targets`) the loss: the negative ELBO's sums over
-        this batch divided by `predicted`, the bytes the whole step predicts (see `LSLMForCausalLM`)."""
-        config = self.config
-        free = mask & ~segmentation.forced
-        fields = boundary_metrics(segmentation, free)
-        segments = int((segmentation.index.max(dim=1).values + 1).clamp(min=0).sum())
-        fields["compression_ratio"] = (mask.sum() / max(segments, 1)).detach().float()
-        if targets is None:
-            return fields
-        counted = targets != -100
-        losses = F.cross_entropy(
-            slot_logits.float().reshape(-1, slot_logits.shape[-1]), targets.reshape(-1), reduction="none"
-        ).view(targets.shape)
-        lm_sum = losses[counted].sum()
-        lm_loss = lm_sum / counted.sum().clamp(min=1)
-        byte_targets = targets >= BYTE_OFFSET
-        bits = losses[byte_targets].sum() / byte_targets.sum().clamp(min=1) / torch.log(torch.tensor(2.0))
-        # Sums over the batch, normalised by the step's predicted bytes: micro-batches and ranks add up.
-        prior_sum = prior_loss_sum(segmentation, free, config)
-        fields.update(
-            loss=(lm_sum + config.kl_weight * prior_sum) / predicted,
-            lm_loss=lm_loss.detach(),
-            # The prior term per free byte (the KL's mean, or the binomial's share).
-            kl_loss=(prior_sum / free.sum().clamp(min=1)).detach(),
-            bits_per_byte=bits.detach(),
-        )
-        return fields
 
 
 LSLMModel.register_for_auto_class("AutoModel")

@@ -11,6 +11,8 @@ What one generation step needs, and where it is kept:
   once when the segment closes;
 - segment encoder: K/V of each closed segment (`segment_store`, ragged: rows close segments at different
   steps);
+- the latest closed segment, projected for the decoder's input (`latest_segment` (B, Dd), when the
+  config adds it);
 - cross-attention: each decoder layer's K/V of the null segment and of every encoded segment
   (`cross_store`, ragged), computed once per segment;
 - decoder self-attention: K/V of the current segment's slots, `<bos>` first (`decoder_store`, ragged),
@@ -144,6 +146,8 @@ class SegmentCache(FamilyCache):
         self.open_counts: torch.Tensor | None = None  # (B,)
         # (B,) int64: the running sum of q in 2^-16 units of boundary_rule "rate" (boundary_rules).
         self.rate_units: torch.Tensor | None = None
+        # (B, Dd) the latest closed segment projected for the decoder's input (`decoder_latest_segment`).
+        self.latest_segment: torch.Tensor | None = None
         self.segment_store = RaggedStore()
         self.cross_store = RaggedStore()
         self.decoder_store = RaggedStore()
@@ -170,7 +174,7 @@ class SegmentCache(FamilyCache):
         self.open_counts = self.open_counts + rows.long()
 
     def _per_row(self) -> list[str]:
-        return ["token_valid", "byte_counts", "open_states", "open_counts", "rate_units"]
+        return ["token_valid", "byte_counts", "open_states", "open_counts", "rate_units", "latest_segment"]
 
     def _stores(self) -> dict[str, RaggedStore]:
         return {"segment": self.segment_store, "cross": self.cross_store, "decoder": self.decoder_store}
@@ -217,7 +221,10 @@ class SegmentCache(FamilyCache):
             store.apply(function)
         snapshot = self._rollback
         if snapshot is not None:
-            snapshot["fields"] = {name: function(tensor) for name, tensor in snapshot["fields"].items()}
+            snapshot["fields"] = {
+                name: None if tensor is None else function(tensor)
+                for name, tensor in snapshot["fields"].items()
+            }
             snapshot["lengths"] = {name: function(tensor) for name, tensor in snapshot["lengths"].items()}
             snapshot["decoder"] = [
                 {key: function(tensor) for key, tensor in part.items()} for part in snapshot["decoder"]

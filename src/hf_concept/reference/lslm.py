@@ -74,6 +74,9 @@ def _decode(model, slot_ids: list[int], encoded: list[torch.Tensor]) -> torch.Te
     backbone = model.model
     table = torch.stack([backbone.null_segment, *encoded])[None]
     states = backbone.decoder_embed_tokens(torch.tensor([slot_ids]))
+    if backbone.segment_to_decoder is not None:
+        # Every slot also reads the latest segment (the null segment before the first).
+        states = states + backbone.segment_to_decoder(table[0, -1])
     positions = torch.arange(len(slot_ids))
     rope = backbone.decoder_rotary_emb(states, positions[None])
     causal = torch.ones(len(slot_ids), len(slot_ids), dtype=torch.bool).tril()[None, None]

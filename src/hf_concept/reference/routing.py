@@ -10,6 +10,7 @@ starts, p = 0 and b = 0 at pads, and vector norms floored at the input dtype's m
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -247,3 +248,57 @@ def ratio_loss_reference(
         torch.tensor(boundary_fraction, dtype=torch.float64),
         mean_prob.detach(),
     )
+
+
+def straight_through_ends_reference(
+    relaxed: torch.Tensor, ends: torch.Tensor, free: torch.Tensor
+) -> torch.Tensor:
+    """z + ẑ − sg(ẑ) at free positions, the constant z elsewhere (float64)."""
+    relaxed = relaxed.double()
+    return torch.where(free, ends.double() + relaxed - relaxed.detach(), ends.double())
+
+
+def pooling_matrix_reference(
+    straight_ends: torch.Tensor, mask: torch.Tensor, num_segments: int
+) -> torch.Tensor:
+    """Dynamic pooling's (B, T, M) matrix, entry by entry (LSLM Figure 3): V[t, m] = m − ĉ_t with
+    ĉ_t = Σ_{i<t} e_i over real bytes; B[t, m] = 1 − V[t, m] where V[t, m] is 0, else 0; pads 0."""
+    batch, length = mask.shape
+    rows = []
+    for row in range(batch):
+        entries = []
+        count = straight_ends.new_zeros(())
+        for position in range(length):
+            column = []
+            for segment in range(num_segments):
+                value = segment - count
+                keep = bool(mask[row, position]) and float(value.detach()) == 0.0
+                column.append(1 - value if keep else straight_ends.new_zeros(()))
+            entries.append(torch.stack(column))
+            if mask[row, position]:
+                count = count + straight_ends[row, position]
+        rows.append(torch.stack(entries))
+    return torch.stack(rows)
+
+
+def beta_binomial_reference(count: int, total: int, alpha: float, beta: float, grid: int = 200_001) -> float:
+    """log P(k) of the Binomial(n, π) integrated over π ~ Beta(a, b) on a midpoint grid (float64)."""
+    pi = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    log_density = (alpha - 1) * torch.log(pi) + (beta - 1) * torch.log1p(-pi)
+    log_density -= math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)
+    log_binomial = count * torch.log(pi) + (total - count) * torch.log1p(-pi)
+    log_binomial += math.lgamma(total + 1) - math.lgamma(count + 1) - math.lgamma(total - count + 1)
+    return float(torch.logsumexp(log_density + log_binomial, dim=0) - math.log(grid))
+
+
+def straight_through_target_losses_reference(
+    straight_ends: torch.Tensor, end_losses: torch.Tensor, continue_losses: torch.Tensor
+) -> torch.Tensor:
+    """Element by element: ℓ_end if z = 1 else ℓ_continue, plus (z − sg(z)) · (ℓ_end − ℓ_continue) for
+    the decision's gradient, plus the chosen loss's own gradient."""
+    values = []
+    flat = (straight_ends.reshape(-1), end_losses.reshape(-1), continue_losses.reshape(-1))
+    for z, end, go_on in zip(*flat, strict=True):
+        chosen = end if float(z.detach()) == 1.0 else go_on
+        values.append(chosen + (z - z.detach()) * (end - go_on).detach())
+    return torch.stack(values).reshape(straight_ends.shape)

@@ -1,0 +1,124 @@
+"""LSLM's boundary estimator and boundary-rate prior (LSLM §2.5–2.6), as pure functions.
+
+Legend: B batch, T bytes.
+
+The paper's estimator. Training draws ẑ_t = σ(p̂_t + g′ − g″) (Gumbel-sigmoid, `routing.gumbel_sigmoid`),
+decides z_t = [ẑ_t ≥ ½] and passes gradients "through this discrete step as though it were continuous"
+(straight-through) into the pooling matrix B of dynamic pooling (§2.5, Figure 3, after Nawrot et al. 2023):
+with ĉ_t the (straight-through) number of segment ends before byte t, V[t, m] = m − ĉ_t, and B keeps
+1 − V where V = 0 and 0 elsewhere. Each byte therefore enters its own segment with weight
+w_t = 1 − (c_t − ĉ_t), value exactly 1 and gradient ∂w_t/∂z_i = 1 for every end decision i < t of its row.
+Mean pooling divides by the same weights, so a segment's state moves toward its later bytes when an end
+inside it becomes likelier, and segments after i (all of whose weights move together) do not move.
+
+The paper's prior. "We assume a Beta(a, b) prior for p(z)": a prior on the boundary *rate* π, with
+z_t ~ Bernoulli(π) given π. Its marginal over the number k of ends among a row's n free bytes is the
+Beta-Binomial, P(k) = C(n, k) · B(k + a, n − k + b) / B(a, b). Scored on the sampled count, it lets
+each byte's q_t go anywhere (near 0 or 1) so long as the row's count is likely under the Beta; an
+i.i.d. Bernoulli(p) KL per byte instead pins every q_t at p.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def straight_through_ends(relaxed: torch.Tensor, ends: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+    """Straight-through segment ends (B, T) float32 (LSLM eq. 6 with Bengio et al.'s estimator).
+
+    Forward value: exactly `ends` as 0.0 / 1.0 (the hard decisions z_t, forced ends included).
+    Backward rule: ∂/∂ẑ_t = 1 at `free` positions (the sampled decisions), 0 elsewhere (forced ends and
+    pads were not decided by the router): the gradient of z_t is handed to ẑ_t unchanged.
+    Reference: `hf_concept.reference.routing.straight_through_ends_reference`.
+    """
+    relaxed = relaxed.float()
+    # (ẑ − sg(ẑ)) is exactly 0.0 in value, so the sum is exactly the hard decision.
+    surrogate = torch.where(free, relaxed - relaxed.detach(), torch.zeros_like(relaxed))
+    return ends.float() + surrogate
+
+
+def straight_through_pool_weights(straight_ends: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each byte's weight in its own segment of dynamic pooling's matrix B (LSLM Figure 3), (B, T).
+
+    Forward value: exactly 1.0 at `mask` bytes, 0.0 at pads.
+    Backward rule: ∂w_t/∂e_i = 1 for every i < t of the row (e = `straight_ends`, ends of segments):
+    w_t = 1 − V[t, c_t] with V[t, m] = m − ĉ_t and ĉ_t = Σ_{i<t} e_i, the straight-through segment index.
+    Reference: `hf_concept.reference.routing.pooling_matrix_reference` (B built entry by entry).
+    """
+    counts = torch.cumsum(straight_ends * mask, dim=1) - straight_ends * mask  # ĉ_t, exclusive
+    weights = 1.0 + (counts - counts.detach())
+    return weights * mask
+
+
+def weighted_segment_means(
+    token_states: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, num_segments: int
+) -> torch.Tensor:
+    """(B, T, D) states, (B, T) weights, (B, T) segment index (-1: none) -> (B, M, D) Σ w·h / Σ w per
+    segment (zeros for empty slots); accumulated in float32 for half-precision states."""
+    accumulate = torch.promote_types(token_states.dtype, torch.float32)
+    batch, _, width = token_states.shape
+    slot = torch.where(index >= 0, index, num_segments)  # -1 -> a sink slot, dropped
+    weights = weights.to(accumulate) * (index >= 0)
+    sums = token_states.new_zeros((batch, num_segments + 1, width), dtype=accumulate)
+    sums.scatter_add_(
+        1, slot[..., None].expand(-1, -1, width), token_states.to(accumulate) * weights[..., None]
+    )
+    totals = weights.new_zeros((batch, num_segments + 1)).scatter_add(1, slot, weights)
+    means = sums[:, :num_segments] / totals[:, :num_segments, None].clamp(min=1e-6)
+    return means.to(token_states.dtype)
+
+
+def beta_parameters(prior_mean: float, concentration: float) -> tuple[float, float]:
+    """(a, b) of the Beta prior with mean a / (a + b) = `prior_mean` and a + b = `concentration`."""
+    if not 0 < prior_mean < 1 or not concentration > 0:
+        raise ValueError(
+            f"prior_mean={prior_mean!r} must be in (0, 1) and concentration={concentration!r} positive"
+        )
+    return prior_mean * concentration, (1.0 - prior_mean) * concentration
+
+
+def beta_binomial_prior_nll(
+    counts: torch.Tensor, totals: torch.Tensor, alpha: float, beta: float
+) -> torch.Tensor:
+    """−log BetaBinomial(k; n, a, b) per row: the Beta(a, b) rate prior's marginal over the number of
+    segment ends k = `counts` among n = `totals` free bytes (see the module docstring).
+
+    Forward value: −[log C(n, k) + log B(k + a, n − k + b) − log B(a, b)], log B(x, y) = lgamma(x) +
+    lgamma(y) − lgamma(x + y), at the given counts (real-valued counts interpolate through lgamma).
+    Backward rule: ∂/∂k = ψ(k + 1) − ψ(n − k + 1) − ψ(k + a) + ψ(n − k + b) (ψ: digamma), to whatever
+    `counts` was built from; a straight-through count Σ(z_t + ẑ_t − sg(ẑ_t)) passes it to every ẑ_t.
+    The term depends on the count only, so any arrangement of the ends with a likely count is optimal.
+    Reference: `hf_concept.reference.routing.beta_binomial_reference` (the Binomial integrated over the
+    Beta density numerically).
+    """
+    if not alpha > 0 or not beta > 0:
+        raise ValueError(f"alpha={alpha!r} and beta={beta!r} must be positive")
+    counts = counts.to(torch.promote_types(counts.dtype, torch.float32))
+    totals = totals.to(counts.dtype)
+    log_choose = torch.lgamma(totals + 1) - torch.lgamma(counts + 1) - torch.lgamma(totals - counts + 1)
+    log_beta = (
+        torch.lgamma(counts + alpha)
+        + torch.lgamma(totals - counts + beta)
+        - torch.lgamma(totals + alpha + beta)
+    )
+    log_beta_prior = math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)
+    return -(log_choose + log_beta - log_beta_prior)
+
+
+def straight_through_target_losses(
+    straight_ends: torch.Tensor, end_losses: torch.Tensor, continue_losses: torch.Tensor
+) -> torch.Tensor:
+    """The decoder's loss at a byte's slot with the end decision passed straight through its target.
+
+    The slot of byte t predicts `<nxt>` when z_t = 1 and the next byte x_{t+1} when z_t = 0; as though
+    z_t were continuous, its loss is z_t · ℓ_end + (1 − z_t) · ℓ_continue (ℓ_end = −log p(`<nxt>`),
+    ℓ_continue = −log p(x_{t+1}), both from the slot's own logits, which exist whichever way z_t went).
+    Forward value: exactly ℓ_end where z_t = 1 and ℓ_continue where z_t = 0 (the hard target's loss).
+    Backward rule: ∂/∂z_t = ℓ_end − ℓ_continue (an end is favoured where the decoder finds the next byte
+    harder to continue than the segment to close: before hard-to-predict bytes, such as word starts);
+    ∂/∂ℓ_end = z_t and ∂/∂ℓ_continue = 1 − z_t (the decoder learns its actual target only).
+    Reference: `hf_concept.reference.routing.straight_through_target_losses_reference`.
+    """
+    return straight_ends * end_losses + (1.0 - straight_ends) * continue_losses
