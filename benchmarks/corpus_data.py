@@ -312,3 +312,66 @@ def load_corpus(args: argparse.Namespace) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return dict(rows=None, windows=windows, heldout=heldout, vocab_size=len(tokenizer), pad_id=pad_id,
                 heldout_tokens=sizes, train_tokens=dict(sorted(train_tokens.items())))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ bytes
+
+HELDOUT_BYTES = 1 << 15
+
+
+class ByteIds:
+    """The LSLM byte ids of texts (byte b -> b + `BYTE_OFFSET`, as `ByteTokenizer` without specials), in
+    the call form `tokenized` uses; numpy per text instead of a Python loop per byte."""
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
+        from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET
+
+        return {
+            "input_ids": [
+                numpy.frombuffer(text.encode("utf-8"), dtype=numpy.uint8).astype(numpy.int16) + BYTE_OFFSET
+                for text in texts
+            ]
+        }
+
+
+def heldout_texts(split, limit: int) -> dict[str, str]:
+    """ "language/kind" -> the first `limit` bytes of the cell's held-out documents (split order) joined by
+    line breaks, cut at a character boundary."""
+    pieces: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for text, language, kind in zip(split["text"], split["language"], split["kind"], strict=True):
+        cell = f"{language}/{kind}"
+        if sizes.get(cell, 0) < limit:
+            pieces.setdefault(cell, []).append(text)
+            sizes[cell] = sizes.get(cell, 0) + len(text.encode("utf-8")) + 1
+    return {
+        cell: "\n".join(texts).encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+        for cell, texts in sorted(pieces.items())
+    }
+
+
+def load_byte_corpus(args: argparse.Namespace) -> dict:
+    """The LSLM reproduction's data from `args.corpus`: `windows` of `args.context` bytes of the train split
+    (read without replacement, as `load_corpus`'s), `heldout` texts per "language/kind" cell
+    (`args.heldout_bytes` bytes each, `heldout_texts`) and `train_bytes` per cell (the training mix)."""
+    from hf_concept.data.bpe import default_cache_dir
+    from hf_concept.training.data import load_saved_dataset
+
+    folder = Path(args.corpus)
+    corpus = load_saved_dataset(folder)
+    missing = [split for split in ("train", "held_out") if split not in corpus]
+    if missing:
+        raise SystemExit(f"--corpus {folder}: no {' or '.join(missing)} split (it has {sorted(corpus)})")
+    cache = default_cache_dir() / f"corpus-bytes-{corpus_key(folder)}" / "train.arrow"
+    train = tokenized(corpus["train"], ByteIds(), cache)
+    tokens, offsets = flat_ids(train)
+    windows = WindowOrder(tokens, offsets, args.context)
+    train_bytes: dict[str, int] = {}
+    cells = (f"{language}/{kind}" for language, kind in zip(train["language"], train["kind"], strict=True))
+    for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
+        train_bytes[cell] = train_bytes.get(cell, 0) + length
+    heldout = heldout_texts(corpus["held_out"], args.heldout_bytes)
+    print(f"corpus {folder}: train {len(tokens)} bytes {dict(sorted(train_bytes.items()))}, "
+          f"{len(windows)} windows of {args.context}; held-out bytes per cell {args.heldout_bytes}",
+          flush=True)  # fmt: skip
+    return dict(rows=None, windows=windows, heldout=heldout, train_bytes=dict(sorted(train_bytes.items())))

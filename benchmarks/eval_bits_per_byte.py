@@ -354,11 +354,16 @@ def train(
 
 
 def trainer(
-    model: nn.Module, args: argparse.Namespace, generator_steps: int | None, rows: list[torch.Tensor]
+    model: nn.Module,
+    args: argparse.Namespace,
+    generator_steps: int | None,
+    rows: list[torch.Tensor],
+    draw: Callable[[int], torch.Tensor] | None = None,
 ) -> tuple[dict, Callable[[int], dict]]:
     """`train`'s state (model, AdamW, schedule, the seed's batch generator), held apart so that a sweep can
     checkpoint it, and its step i, which returns the step's record: the loss and the output's scalar
-    metrics (`step_metrics`)."""
+    metrics (`step_metrics`). `draw(i)`, when given, is step i's (B, L) batch instead of random crops of
+    `rows` (a corpus read without replacement: a pure function of i, nothing to checkpoint)."""
     optimizer, schedule = optimizer_and_schedule(model, args.lr, args.steps, args.weight_decay)
     rng = random.Random(args.seed)
     # The LSLM samples its training boundaries with torch's generator: seeded, so a run is repeatable.
@@ -366,7 +371,9 @@ def trainer(
     model.train()
 
     def step(index: int) -> dict:
-        batch = sample_batch(rows, args.batch_size, args.context, rng)  # (B, L)
+        batch = (
+            sample_batch(rows, args.batch_size, args.context, rng) if draw is None else draw(index)
+        )  # (B, L)
         output = model(input_ids=batch, labels=batch)
         optimizer.zero_grad(set_to_none=True)
         output.loss.backward()
@@ -382,7 +389,10 @@ def trainer(
             print(f"  step {index + 1}/{args.steps}  loss {record['loss']:.3f}{sampled}", flush=True)
         return record
 
-    return dict(model=model, optimizer=optimizer, schedule=schedule, batches=rng), step
+    state = dict(model=model, optimizer=optimizer, schedule=schedule)
+    if draw is None:
+        state["batches"] = rng
+    return state, step
 
 
 def step_metrics(output) -> dict[str, float]:

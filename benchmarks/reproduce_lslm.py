@@ -47,6 +47,15 @@ Figures (held-out split of every language; never used for any choice):
 cut at a line start; the models then train on the rest): the only data any tuning may look at.
 `--quick` is a smoke run (tiny models, 4 steps, one seed, 512 held-out bytes per language).
 
+`--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (issue 27):
+batches are windows of `--context` bytes of its train split, each read at most once, in the seed's order
+(every model of a seed reads the same ones; `benchmarks/corpus_data.py`), so no byte is seen twice and a
+run asking for more windows than the split has is refused; scored are the first `--heldout-bytes` bytes
+of each language/kind cell of its held_out split, and every table is per cell. Each run also prints its
+`gap`: held-out minus training cross-entropy of the bytes in nats per byte (the held-out figure over all
+ids, cells weighted by their share of the training bytes, against the training batches' over the last 5%
+of the steps).
+
 `--sweep-dir DIR` runs the same models as a resumable sweep (`hf_concept.training.sweep`): a manifest
 of the runs (model, seed and the flags that change a result), a checkpoint of each run every
 `--checkpoint-minutes`, one line per finished run in `DIR/results.jsonl`; started again after a kill it
@@ -56,12 +65,14 @@ prints each run as done / running / left with time estimates, and trains nothing
     python benchmarks/reproduce_lslm.py [--seeds 0,1,2] [--steps 400] [--width 96] [--layers 1,3,1]
         [--context 256] [--batch-size 16] [--lr 2e-3] [--weight-decay 0.01] [--threads 1]
         [--eval-bytes N] [--validation] [--json PATH] [--png PATH] [--quick]
+        [--corpus DIR [--heldout-bytes N]]
         [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -72,6 +83,7 @@ import torch
 # The shared runner (sampler, schedule, training loop, evaluation) lives beside this script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import corpus_data
 import eval_bits_per_byte as runner
 from eval_bits_per_byte import cell, mean_std
 
@@ -128,6 +140,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write every per-seed figure here")
     parser.add_argument("--png", default=None, help="draw the training curves here (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, 4 steps, 1 seed")
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="train and score on this saved corpus (hf-concept build-corpus): byte windows of its train "
+        "split read at most once, held-out figures per language/kind cell of its held_out split",
+    )
+    parser.add_argument(
+        "--heldout-bytes",
+        type=int,
+        default=corpus_data.HELDOUT_BYTES,
+        help="with --corpus: bytes scored per cell",
+    )
     sweep.add_sweep_flags(parser)
     args = parser.parse_args(argv)
     sweep.check_sweep_flags(parser, args)
@@ -205,8 +229,11 @@ def split_validation(text: str) -> tuple[str, str]:
     return data[: newline + 1].decode("utf-8"), data[newline + 1 :].decode("utf-8")
 
 
-def texts_for(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
-    """(training texts, scored texts) per language: train and held-out, or fit and validation."""
+def texts_for(args: argparse.Namespace, data: dict | None) -> tuple[dict[str, str] | None, dict[str, str]]:
+    """(training texts, scored texts) per language: train and held-out, or fit and validation; with a
+    corpus (`data`), no training texts (its windows are the batches) and its held-out texts per cell."""
+    if data is not None:
+        return None, data["heldout"]
     if args.validation:
         pairs = {language: split_validation(load_text(language)) for language in LANGUAGES}
         fit = {language: pair[0] for language, pair in pairs.items()}
@@ -247,7 +274,9 @@ def segmentation_of(model: torch.nn.Module, text: str, context: int, batch_size:
 
 
 def gold_starts(language: str, text: str) -> torch.Tensor:
-    """(N,) bool: the first byte of each whitespace-separated word (en) or each UTF-8 character start."""
+    """(N,) bool: the first byte of each whitespace-separated word (en) or each UTF-8 character start;
+    `language` may be a corpus cell ("en/prose")."""
+    language = language.split("/")[0]
     data = text.encode("utf-8")
     if language == "en":
         space = torch.tensor([byte in b" \t\n\r\f\v" for byte in data])
@@ -328,11 +357,17 @@ def run_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
     threads too: they can move the last bits)."""
     fields = ("steps", "width", "layers", "context", "batch_size", "lr", "weight_decay", "threads",
               "eval_bytes", "validation")  # fmt: skip
-    return sweep.RunSpec("lslm", name, seed, {field: getattr(args, field) for field in fields})
+    settings = {field: getattr(args, field) for field in fields}
+    if args.corpus:
+        settings.update(corpus=str(Path(args.corpus).resolve()), heldout_bytes=args.heldout_bytes)
+    return sweep.RunSpec("lslm", name, seed, settings)
 
 
-def run_model(args: argparse.Namespace, name: str, seed: int, fit: dict, texts: dict) -> dict:
-    """Train model `name` from `seed` on the shared batches, then score it on `texts`; under
+def run_model(
+    args: argparse.Namespace, name: str, seed: int, fit: dict | None, texts: dict, data: dict | None = None
+) -> dict:
+    """Train model `name` from `seed` on the shared batches (crops of `fit`, or `data`'s corpus windows in
+    the seed's order: every model of a seed reads the same ones), then score it on `texts`; under
     `--sweep-dir` as a resumable run of the sweep."""
     shared = runner_args(args, seed, name)
     model = build_model(args, name, seed)
@@ -341,10 +376,18 @@ def run_model(args: argparse.Namespace, name: str, seed: int, fit: dict, texts: 
         f"[seed {seed}] training {name} ({model.num_parameters()} parameters), {args.steps} steps", flush=True
     )
     start = time.perf_counter()
-    stateful, step = runner.trainer(model, shared, generator_steps, token_rows(fit))
+    if data is None:
+        stateful, step = runner.trainer(model, shared, generator_steps, token_rows(fit))
+    else:
+        _, draw = corpus_data.batch_source(data, args, seed)
+        stateful, step = runner.trainer(model, shared, generator_steps, [], draw)
 
     def finish(history: list[dict]) -> dict:
-        return score_model(model, name, seed, shared, texts, history, time.perf_counter() - start)
+        record = score_model(model, name, seed, shared, texts, history, time.perf_counter() - start)
+        if data is not None:
+            record["gap"] = heldout_gap(record, history, data["train_bytes"])
+            print(f"[seed {seed}] {name}: gap (held-out - training, nats per byte) {record['gap']:+.3f}")
+        return record
 
     if args.sweep_dir:
         spec = run_spec(args, name, seed)
@@ -381,6 +424,21 @@ def score_model(
                       heldout=evaluate_segmenter(model, shared, texts))  # fmt: skip
     record["eval_seconds"] = time.perf_counter() - start
     return record
+
+
+def heldout_gap(record: dict, history: list[dict], train_bytes: dict[str, int]) -> float:
+    """Held-out minus training cross-entropy of the bytes, nats per byte: the held-out figure over all
+    ids (`bits_per_byte_all_ids`, the cells weighted by their share of the training bytes) against the
+    training batches' over the last 5% of the steps (an LSLM's `bits_per_byte` metric, a byte model's
+    loss), so that both sides are the same quantity."""
+    shares = {cell: train_bytes[cell] for cell in record["bits_per_byte_all_ids"]}
+    heldout = sum(record["bits_per_byte_all_ids"][cell] * count for cell, count in shares.items())
+    heldout = heldout / sum(shares.values()) * math.log(2)
+    tail = history[-max(1, len(history) // 20) :]
+    train = [
+        step["bits_per_byte"] * math.log(2) if "bits_per_byte" in step else step["loss"] for step in tail
+    ]
+    return heldout - statistics.fmean(train)
 
 
 def renormalized_bits(model: torch.nn.Module, texts: dict[str, str], shared: argparse.Namespace) -> dict:
@@ -439,7 +497,7 @@ def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
 
 
 def print_score_tables(runs: list[dict], split: str) -> None:
-    grouped = by_model(runs)
+    grouped, cells = by_model(runs), list(runs[0]["bits_per_byte"])
     fields = (
         ("bits_per_byte", "bits per byte (softmax over the 256 byte ids)"),
         ("bits_per_byte_all_ids", "bits per byte (softmax over all 261 ids, the pre-issue-28 figure)"),
@@ -447,13 +505,11 @@ def print_score_tables(runs: list[dict], split: str) -> None:
     )
     for field, title in fields:
         print(f"\n[{split} {title}] mean ± std over seeds")
-        print(f"{'model':<6}" + "".join(f"{language:>18}" for language in LANGUAGES))
+        print(f"{'model':<6}" + "".join(f"{language:>18}" for language in cells))
         for name, group in grouped.items():
-            print(
-                f"{name:<6}" + "".join(f"{cell([r[field][lang] for r in group]):>18}" for lang in LANGUAGES)
-            )
+            print(f"{name:<6}" + "".join(f"{cell([r[field][lang] for r in group]):>18}" for lang in cells))
     print("\n[paired differences, bits per byte] per seed (same batches), mean ± std; < 0: first is better")
-    print(f"{'pair':<12}" + "".join(f"{language:>18}" for language in LANGUAGES))
+    print(f"{'pair':<12}" + "".join(f"{language:>18}" for language in cells))
     for first, second in (
         ("lslm", "byte"),
         ("lslm", "gpt2"),
@@ -462,11 +518,10 @@ def print_score_tables(runs: list[dict], split: str) -> None:
         ("byte", "gpt2"),
     ):
         pairs = list(zip(grouped[first], grouped[second], strict=True))
-        cells = [
-            cell([a["bits_per_byte"][lang] - b["bits_per_byte"][lang] for a, b in pairs])
-            for lang in LANGUAGES
+        texts = [
+            cell([a["bits_per_byte"][lang] - b["bits_per_byte"][lang] for a, b in pairs]) for lang in cells
         ]
-        print(f"{first + '-' + second:<12}" + "".join(f"{text:>18}" for text in cells))
+        print(f"{first + '-' + second:<12}" + "".join(f"{text:>18}" for text in texts))
 
 
 def rate_rows(group: list[dict]) -> dict[str, list[float]]:
@@ -480,28 +535,31 @@ def rate_rows(group: list[dict]) -> dict[str, list[float]]:
 
 def print_boundary_tables(runs: list[dict], split: str) -> None:
     grouped = {name: group for name, group in by_model(runs).items() if name in SEGMENTED}
+    cells = list(runs[0]["bits_per_byte"])
     print(f"\n[boundary rate: training (last 10% of steps) vs {split} inference, all languages pooled]")
     titles = ("train sampled", "train mean q", f"{split} rate", "ratio")
     print(f"{'model':<6}" + "".join(f"{title:>16}" for title in titles) + "  within ±20%")
     for name, group in grouped.items():
         rows = rate_rows(group)
         within = all(abs(ratio - 1) <= RATE_TOLERANCE for ratio in rows["ratio"])
-        cells = "".join(f"{cell(rows[key]):>16}" for key in ("sampled", "mean_q", "heldout", "ratio"))
-        print(f"{name:<6}{cells}  {'yes' if within else 'NO'} (every seed)")
+        line = "".join(f"{cell(rows[key]):>16}" for key in ("sampled", "mean_q", "heldout", "ratio"))
+        print(f"{name:<6}{line}  {'yes' if within else 'NO'} (every seed)")
     print(f"\n[{split} segmentation] opens vs word starts (en), UTF-8 character starts (zh, ja)")
     print("(gold rate: the share of gold bytes, i.e. the precision of segments opened at random)")
     header = ("rate", "bytes/seg", "precision", "recall", "gold rate", "<nxt> bits/B")
-    print(f"{'model':<6}{'lang':>5}" + "".join(f"{title:>16}" for title in header))
+    print(f"{'model':<6}{'lang':>13}" + "".join(f"{title:>16}" for title in header))
     for name, group in grouped.items():
-        for language in LANGUAGES:
-            cells = [run["heldout"]["languages"][language] for run in group]
+        for language in cells:
+            figures = [run["heldout"]["languages"][language] for run in group]
             keys = ("rate", "bytes_per_segment", "precision", "recall", "gold_rate", "boundary_bits")
-            print(f"{name:<6}{language:>5}" + "".join(f"{cell([c[key] for c in cells]):>16}" for key in keys))
+            print(
+                f"{name:<6}{language:>13}" + "".join(f"{cell([c[key] for c in figures]):>16}" for key in keys)
+            )
     print(
         f"\n[{split} examples, seed {runs[0]['seed']}] '|': a segment opens at the character; '·': inside it"
     )
     for name, group in grouped.items():
-        for language in LANGUAGES:
+        for language in cells:
             print(f"{name:<5} {language}: {group[0]['heldout']['languages'][language]['example']}")
 
 
@@ -521,12 +579,15 @@ def directions(runs: list[dict]) -> dict[str, bool]:
     def stats(name: str, language: str) -> tuple[float, float]:
         return mean_std([run["bits_per_byte"][language] for run in grouped[name]])
 
+    cells = list(runs[0]["bits_per_byte"])
     verdict = {
         f"lslm<={baseline} {lang}": stats("lslm", lang)[0] <= stats(baseline, lang)[0]
         for baseline in ("gpt2", "byte")
-        for lang in ("zh", "ja")
+        for lang in cells
+        if lang.split("/")[0] in ("zh", "ja")
     }
-    verdict["lslm<=gpt2+1std en"] = stats("lslm", "en")[0] <= sum(stats("gpt2", "en"))
+    for lang in (name for name in cells if name.split("/")[0] == "en"):
+        verdict[f"lslm<=byte+1std {lang}"] = stats("lslm", lang)[0] <= sum(stats("byte", lang))
     for name in SEGMENTED:
         verdict[f"{name} precision>chance all"] = all(
             c["precision"] > c["gold_rate"]
@@ -550,14 +611,17 @@ def main(argv: list[str] | None = None) -> dict:
     counts = {name: build_model(args, name, 0).num_parameters() for name in MODELS}
     check_parameter_match({name: counts[name] for name in PARAMETER_MATCHED})
     print_models(counts, args)
-    fit, texts = texts_for(args)
+    data = corpus_data.load_byte_corpus(args) if args.corpus else None
+    if data is not None:
+        corpus_data.require_windows(data, args, args.steps, "each run")
+    fit, texts = texts_for(args, data)
     split = "validation" if args.validation else "held-out"
     sizes = ", ".join(f"{lang} {len(text.encode())} B / {len(text)} chars" for lang, text in texts.items())
     print(f"scored ({split}): {sizes}; torch {torch.__version__}, {args.threads} threads", flush=True)
     # A run already in the sweep's results is taken from there, not run again.
     done = sweep.read_results(args.sweep_dir) if args.sweep_dir else {}
     runs = [
-        done.get(run_spec(args, name, seed).key) or run_model(args, name, seed, fit, texts)
+        done.get(run_spec(args, name, seed).key) or run_model(args, name, seed, fit, texts, data)
         for seed in args.seeds
         for name in MODELS
     ]

@@ -153,3 +153,42 @@ def test_a_quick_corpus_run_trains_and_scores_on_the_saved_corpus(tmp_path, scri
     # The tokenised splits are cached files beside the corpus's tokenizer, read by a later run.
     cached = sorted(path.name for path in (tmp_path / "cache").rglob("*.arrow"))
     assert cached == ["held_out.arrow", "train.arrow"]
+
+
+def test_byte_ids_and_heldout_texts_of_the_lslm_corpus():
+    from hf_concept.modeling.tokenization_lslm import ByteTokenizer
+
+    texts = ["héllo", "猫が"]
+    ids = corpus_data.ByteIds()(texts)["input_ids"]
+    expected = ByteTokenizer()(texts, add_special_tokens=False)["input_ids"]
+    assert [row.tolist() for row in ids] == expected
+    import datasets
+
+    split = datasets.Dataset.from_dict(
+        dict(text=["ab" * 10, "cd" * 10, "猫" * 10], language=["en", "en", "ja"], kind=["prose"] * 3)
+    )
+    cut = corpus_data.heldout_texts(split, 25)
+    assert cut == {"en/prose": "ab" * 10 + "\n" + "cd" * 2, "ja/prose": "猫" * 8}
+
+
+@pytest.mark.slow
+def test_a_quick_lslm_corpus_run_scores_every_cell_and_prints_the_gap(tmp_path):
+    corpus = mini_corpus(tmp_path / "corpus")
+    figures_path = tmp_path / "figures.json"
+    command = [sys.executable, str(BENCHMARKS / "reproduce_lslm.py"), "--quick", "--corpus", str(corpus)]
+    environment = dict(os.environ, HF_CONCEPT_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run(
+        [*command, "--heldout-bytes", "600", "--json", str(figures_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"corpus {corpus}: train " in result.stdout and "gap (held-out - training" in result.stdout
+    figures = json.loads(figures_path.read_text())
+    cells = {"en/prose", "ja/prose", "zh/prose"}  # the mini corpus's held-out documents
+    for run in figures["runs"]:
+        assert set(run["bits_per_byte"]) == cells and math.isfinite(run["gap"])
+        if run["model"] in ("lslm", "dtp"):
+            assert set(run["heldout"]["languages"]) == cells
