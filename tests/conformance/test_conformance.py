@@ -166,10 +166,15 @@ def test_save_load_identical(spec, tmp_path):
     input_ids, attention_mask = left_pad([random_ids(spec, 9, seed=16), random_ids(spec, 6, seed=17)])
     model.save_pretrained(tmp_path)
     loaded = spec.model_class().from_pretrained(tmp_path).eval()
+    saved, reloaded = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == reloaded.keys()
+    assert all(torch.equal(saved[name], reloaded[name]) for name in saved)
+    # The weights are bitwise equal; the logits only within ATOL: loaded tensors stay memory-mapped at the
+    # file's offsets, and CPU kernels sum in another order when a tensor is not 64-byte aligned.
     assert_close(
         logits_of(loaded, input_ids, attention_mask=attention_mask),
         logits_of(model, input_ids, attention_mask=attention_mask),
-        atol=0,
+        atol=ATOL,
         rtol=0,
     )
 

@@ -7,7 +7,8 @@ Contract:
   index for `layer_types`, so sliding windows stay where they were.
 - New tensors: the chunk module (`model.chunker.*`, random N(0, initializer_range) from a generator
   seeded with `seed`, or the identity for `router_init="identity"`) and the joint-decoding projectors
-  (`self_attn.concept_{q,k,v}_proj`, zeros). `dechunk_residual` is always "delta", so with
+  (`self_attn.concept_{q,k,v}_proj`, zeros, reading the concept through `self_attn.concept_norm`, ones).
+  `dechunk_residual` is always "delta", so with
   `chunking="fixed"`, `compression_ratio=1`, `pooling="first"` the converted model computes the
   source model's logits.
 - Every tensor's shape is checked against a ConceptMoE model built on the meta device; missing and
@@ -45,6 +46,7 @@ from hf_concept.model_card import card_license, write_model_card
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SOURCE_LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.+)$")
 _JOINT_PROJECTOR = re.compile(r"\.self_attn\.concept_[qkv]_proj\.weight$")
+_JOINT_NORM = re.compile(r"\.self_attn\.concept_norm\.weight$")
 
 
 def _model_classes():
@@ -146,6 +148,9 @@ def new_tensor(name: str, shape: tuple[int, ...], config, generator: torch.Gener
     if name == "model.chunker.score.bias" or _JOINT_PROJECTOR.search(name):
         # Zero projectors: joint decoding starts as a no-op, so the converted model equals the source.
         return torch.zeros(shape)
+    if _JOINT_NORM.search(name):
+        # Unit gain: the zero projectors read concepts at the scale q/k/v_proj read their normed input.
+        return torch.ones(shape)
     return None
 
 

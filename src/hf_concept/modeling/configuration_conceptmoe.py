@@ -28,6 +28,8 @@ DECHUNK_RESIDUALS = ("output", "delta")
 RATIO_SCOPES = ("global", "batch", "sequence")
 # Joint decoding on the last J decoder layers; None means min(DEFAULT_JOINT_LAYERS, decoder_layers).
 DEFAULT_JOINT_LAYERS = 4
+# What a config saved before `joint_decoding_norm` existed meant by leaving it out (issue 29).
+LEGACY_FIELDS = {"joint_decoding_norm": False}
 
 
 class ConceptMoEConfig(PlainDecoderConfig):
@@ -36,6 +38,13 @@ class ConceptMoEConfig(PlainDecoderConfig):
     `num_hidden_layers` = encoder_layers + concept layers + decoder_layers; the concept layers are the
     rest and there must be at least one. Each layer keeps its index in that flat numbering for
     `layer_types` (sliding windows).
+
+    `joint_decoding_norm` (default True) puts an RMSNorm before the joint-decoding projections: the concept
+    a token reads is a residual-stream quantity (for a converted checkpoint, the concept layers' summed
+    update, with per-token norms in the hundreds and outliers in the tens of thousands on SmolLM2), and
+    the gradient of a linear map scales with what it reads, so unnormalised they dominated the gradient
+    norm by ~1000x. The projections stay zero-initialised, so the norm changes nothing at step 0. Configs
+    saved before the field existed load with False, as their weights were trained.
     """
 
     model_type = "conceptmoe"
@@ -64,6 +73,7 @@ class ConceptMoEConfig(PlainDecoderConfig):
     pooling: str = "first"
     dechunk_residual: str = "output"
     joint_decoding_layers: int | None = None
+    joint_decoding_norm: bool = True
     concept_loop: list[int] | None = None
     concept_hidden_size: int | None = None
     concept_num_experts_per_tok: int | None = None
@@ -82,6 +92,14 @@ class ConceptMoEConfig(PlainDecoderConfig):
         auto_map.update(kwargs.pop("auto_map", None) or {})
         kwargs["auto_map"] = auto_map
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """A saved config (it names its transformers version) that predates `joint_decoding_norm` keeps
+        the behaviour its weights were trained with (`LEGACY_FIELDS`)."""
+        if "transformers_version" in config_dict and "joint_decoding_norm" not in config_dict:
+            config_dict = {**LEGACY_FIELDS, **config_dict}
+        return super().from_dict(config_dict, **kwargs)
 
     @property
     def num_concept_layers(self) -> int:
@@ -151,6 +169,8 @@ class ConceptMoEConfig(PlainDecoderConfig):
                 f"joint_decoding_layers={joint!r} must be None or in "
                 f"[0, decoder_layers={self.decoder_layers}]"
             )
+        if not isinstance(self.joint_decoding_norm, bool):
+            raise ValueError(f"joint_decoding_norm={self.joint_decoding_norm!r} must be True or False")
 
     def _check_choices(self) -> None:
         choices = {

@@ -81,10 +81,18 @@ class ZeroInitLinear(nn.Linear):
 
 
 class JointAttention(Attention):
-    """Attention whose q, k, v also receive W^c_{q,k,v} of the token's concept (ConceptMoE eq. 11)."""
+    """Attention whose q, k, v also receive W^c_{q,k,v} of the token's concept (ConceptMoE eq. 11).
+
+    With `joint_decoding_norm` the projections read RMSNorm(concept), as q/k/v_proj read the layer's
+    normed input: the concept is an unnormalised residual-stream update, and a projection's gradient grows
+    with the size of what it reads. A zero concept (none readable yet) stays zero.
+    """
 
     def __init__(self, config, layer_idx: int, concept_width: int) -> None:
         super().__init__(config, layer_idx)
+        self.concept_norm = (
+            RMSNorm(concept_width, eps=config.rms_norm_eps) if config.joint_decoding_norm else None
+        )
         self.concept_q_proj = ZeroInitLinear(concept_width, self.num_heads * self.head_dim, bias=False)
         self.concept_k_proj = ZeroInitLinear(
             concept_width, self.num_key_value_heads * self.head_dim, bias=False
@@ -103,6 +111,8 @@ class JointAttention(Attention):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, L, D) token states and their (B, L, D) concepts -> (B, L, D), eq. 11."""
+        if self.concept_norm is not None:
+            token_concepts = self.concept_norm(token_concepts)
         additions = (
             self.concept_q_proj(token_concepts),
             self.concept_k_proj(token_concepts),
