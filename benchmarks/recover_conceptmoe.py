@@ -1,0 +1,515 @@
+"""Continued training of a converted ConceptMoE on CPU: does it recover its source (issue 29 point 3)?
+
+The source (a Llama-family safetensors folder, e.g. SmolLM2-135M-Instruct) is converted in this run with
+`convert_to_conceptmoe` (dynamic chunking at `--ratio`, random router, zero joint decoding), then trained
+for `--minutes` of training wall time (evaluation excluded; both clocks are reported).
+
+What trains (`--train`):
+- `all`: every weight;
+- `new`: only what conversion added: the router (`chunker`), joint decoding's `concept_{q,k,v}_proj` and
+  `concept_norm` (and `concept_in_proj`/`concept_out_proj` where the concept stack is wider);
+- `lora`: LoRA (peft) on the attention and MLP projections, plus the new modules above in full.
+
+Data (`--corpus`, a `hf-concept build-corpus` DatasetDict): the train split under the source's tokenizer,
+each (language, kind) cell a stream of its documents in the order of the SHA-256 of their `document` id,
+joined by the eos token and cut into consecutive non-overlapping windows of `--context` tokens; batch row
+i takes the next window of cell i mod (cells left), so the mixture is balanced across cells, like the
+evaluation texts, and no token is read twice. Evaluation texts per cell: the first `--eval-bytes` bytes
+of the cell's documents in split order. `--eval-splits validation` is for choices (learning rate, what
+trains); `held_out` is for the report only.
+
+Figures, at step 0 and every `--eval-every-minutes` of training, on the same texts and windows:
+bits per byte = total nats / UTF-8 bytes of the scored texts / ln 2 (`hf_concept.evaluation.bits_per_byte`,
+lm-eval convention: disjoint blocks of `--context` predictions, every token of the text scored), pooled
+over the cells and per cell, of the converted model and of the source (measured once, in this run); the
+realised tokens per concept (thresholded boundaries in eval mode) on the same texts; greedy answers to
+five fixed prompts (through the tokenizer's chat template when it has one) of the source, the converted
+model before training and after. Everything goes to `--json` (rewritten atomically at each evaluation)
+and, with `--save DIR`, the trained model (LoRA merged) to DIR, written to a staging folder and renamed.
+
+`--quick`: a tiny random Llama with the bundled BPE tokenizer and a three-split corpus cut from the
+bundled text, a few steps: a smoke test of the script (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
+from hf_concept.evaluation import bits_per_byte
+from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEModel
+from hf_concept.training.data import load_saved_dataset
+from hf_concept.training.sweep import atomic_write_json
+from hf_concept.utils import eval_mode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from corpus_data import heldout_texts
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "What is 12 plus 7?",
+    "Name three colours.",
+    "Translate 'good morning' into French.",
+)
+TRAIN_MODES = ("all", "new", "lora")
+# Peak learning rates per mode, used when --lr is not given (common fine-tuning values, not tuned here).
+DEFAULT_LR = {"all": 1e-4, "new": 1e-3, "lora": 5e-4}
+# Modules conversion adds (matched against module names); the rest came from the source.
+NEW_MODULES = (
+    "chunker",
+    "concept_q_proj",
+    "concept_k_proj",
+    "concept_v_proj",
+    "concept_norm",
+    "concept_in_proj",
+    "concept_out_proj",
+)
+LORA_TARGETS = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", help="the source checkpoint folder (safetensors)")
+    parser.add_argument("--corpus", help="a build-corpus DatasetDict folder")
+    parser.add_argument("--ratio", type=float, default=2.0, help="target tokens per concept")
+    parser.add_argument("--train", choices=TRAIN_MODES, default="all")
+    parser.add_argument("--minutes", type=float, default=60.0, help="training wall time, eval excluded")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps too")
+    parser.add_argument("--eval-every-minutes", type=float, default=10.0)
+    parser.add_argument("--eval-splits", default="held_out", help="comma-separated: validation, held_out")
+    parser.add_argument("--eval-bytes", type=int, default=4096, help="evaluation bytes per cell")
+    parser.add_argument("--lr", type=float, default=None, help="peak LR (default per --train mode)")
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--encoder-layers", type=int, default=2)
+    parser.add_argument("--decoder-layers", type=int, default=2)
+    parser.add_argument("--router-init", choices=("random", "identity"), default="random")
+    parser.add_argument("--answer-tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the figures here (atomically)")
+    parser.add_argument("--save", default=None, help="save the trained model here at the end")
+    parser.add_argument("--quick", action="store_true", help="smoke run on a tiny model (seconds)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    if not args.quick and not (args.source and args.corpus):
+        parser.error("--source and --corpus are required (or --quick)")
+    for name in ("batch_size", "context", "threads", "eval_bytes", "answer_tokens", "lora_rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if not args.ratio >= 1 or args.minutes <= 0 or args.eval_every_minutes <= 0:
+        parser.error("--ratio must be >= 1, --minutes and --eval-every-minutes > 0")
+    splits = args.eval_splits.split(",")
+    if not splits or any(split not in ("validation", "held_out") for split in splits):
+        parser.error(f"--eval-splits={args.eval_splits!r}: a list of validation, held_out")
+    args.eval_splits = splits
+    args.lr = DEFAULT_LR[args.train] if args.lr is None else args.lr
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def cell_documents(split) -> dict[str, list[int]]:
+    """ "language/kind" -> the row indices of its documents, in the order of SHA-256(document id)."""
+    cells: dict[str, list[tuple[str, int]]] = {}
+    columns = zip(split["language"], split["kind"], split["document"], strict=True)
+    for index, (language, kind, document) in enumerate(columns):
+        cells.setdefault(f"{language}/{kind}", []).append((_sha256(str(document)), index))
+    return {cell: [index for _, index in sorted(rows)] for cell, rows in sorted(cells.items())}
+
+
+def cell_windows(split, rows: list[int], tokenizer, context: int) -> Iterator[list[int]]:
+    """Consecutive `context`-token windows of the documents `rows`, joined by eos, tokenised lazily."""
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    pending: list[int] = []
+    for index in rows:
+        pending.extend(tokenizer(split[index]["text"], add_special_tokens=False)["input_ids"] + separator)
+        while len(pending) >= context:
+            yield pending[:context]
+            pending = pending[context:]
+
+
+class TrainBatches:
+    """(B, context) training batches, row i from the next window of cell i mod (cells left); each
+    window once. `tokens` counts what was handed out."""
+
+    def __init__(self, split, tokenizer, context: int, batch_size: int) -> None:
+        cells = cell_documents(split)
+        self.streams = {cell: cell_windows(split, rows, tokenizer, context) for cell, rows in cells.items()}
+        self.batch_size, self.tokens, self.turn = batch_size, 0, 0
+
+    def next_batch(self) -> torch.Tensor | None:
+        """The next batch, or None once the split cannot fill one."""
+        rows = []
+        while len(rows) < self.batch_size and self.streams:
+            cell = list(self.streams)[self.turn % len(self.streams)]
+            window = next(self.streams[cell], None)
+            if window is None:
+                del self.streams[cell]
+                continue
+            self.turn += 1
+            rows.append(window)
+        if len(rows) < self.batch_size:
+            return None
+        batch = torch.tensor(rows, dtype=torch.long)
+        self.tokens += batch.numel()
+        return batch
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def concept_model(model: nn.Module) -> ConceptMoEModel | None:
+    return next((module for module in model.modules() if isinstance(module, ConceptMoEModel)), None)
+
+
+def evaluate(model: nn.Module, tokenizer, texts: dict[str, str], args: argparse.Namespace) -> dict:
+    """Pooled and per-cell bits per byte of `texts`, and (ConceptMoE) realised tokens per concept."""
+    counts = {"tokens": 0, "concepts": 0}
+
+    def count(module, inputs, output) -> None:
+        # Inference boundaries (eval mode: thresholded) over the real tokens of each window.
+        counts["tokens"] += int(output.token_mask.sum())
+        counts["concepts"] += int((output.boundaries & output.token_mask).sum())
+
+    inner = concept_model(model)
+    hook = None if inner is None else inner.register_forward_hook(count)
+    try:
+        cells = {
+            cell: bits_per_byte(
+                model, tokenizer, text, context=args.context, batch_size=args.batch_size, convention="lm-eval"
+            )
+            for cell, text in texts.items()
+        }
+    finally:
+        if hook is not None:
+            hook.remove()
+    nats, num_bytes = sum(value.nats for value in cells.values()), sum(v.num_bytes for v in cells.values())
+    result = {
+        "bits_per_byte": nats / num_bytes / math.log(2),
+        "cells": {cell: value.bits_per_byte for cell, value in cells.items()},
+        "bytes": num_bytes,
+    }
+    if inner is not None:
+        result["tokens_per_concept"] = counts["tokens"] / max(counts["concepts"], 1)
+    return result
+
+
+def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """(1, T) ids of `prompt`, through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+@torch.no_grad()
+def answers(model: nn.Module, tokenizer, max_new_tokens: int) -> list[str]:
+    """Greedy answers (with the model's cache) to the five `PROMPTS`."""
+    replies = []
+    with eval_mode(model):
+        for prompt in PROMPTS:
+            ids = prompt_ids(tokenizer, prompt)
+            output = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            )
+            replies.append(tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).strip())
+    return replies
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+def is_new(name: str) -> bool:
+    return any(f".{part}." in f".{name}." for part in NEW_MODULES)
+
+
+def prepare_training(model: ConceptMoEForCausalLM, mode: str, rank: int) -> nn.Module:
+    """The model to train under `mode` (peft-wrapped for "lora"), with requires_grad set."""
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0)
+        model = get_peft_model(model, config)
+    for name, parameter in model.named_parameters():
+        if mode == "all" or is_new(name):
+            parameter.requires_grad_(True)
+        elif mode == "new":
+            parameter.requires_grad_(False)
+    return model
+
+
+def training_step(model: nn.Module, optimizer, batch: torch.Tensor) -> dict[str, float]:
+    """One AdamW step on a (B, L) batch; gradients clipped at 1.0 (the norm before clipping reported)."""
+    optimizer.zero_grad(set_to_none=True)
+    output = model(input_ids=batch, labels=batch)
+    output.loss.backward()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    optimizer.step()
+    figures = {"loss": output.loss.item(), "grad_norm": float(norm)}
+    for key in ("lm_loss", "aux_loss", "compression_ratio"):
+        value = getattr(output, key, None)
+        if value is not None:
+            figures[key] = float(value)
+    return figures
+
+
+def converted_model(source: Path, folder: Path, args: argparse.Namespace) -> ConceptMoEForCausalLM:
+    """The source converted (dynamic chunking at `args.ratio`; fixed chunking at R = 1) and loaded."""
+    convert_to_conceptmoe(
+        source,
+        folder,
+        encoder_layers=args.encoder_layers,
+        decoder_layers=args.decoder_layers,
+        compression_ratio=args.ratio,
+        chunking="fixed" if args.ratio == 1 else "dynamic",
+        router_init=args.router_init,
+        seed=args.seed,
+        dtype="float32",
+    )
+    return ConceptMoEForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def save_model(model: nn.Module, tokenizer, path: Path) -> None:
+    """Model (LoRA merged first) and tokenizer saved into a staging folder renamed into place."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+class Run:
+    """The run's record (written to --json after every evaluation) and its clocks."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.started, self.train_seconds = args, time.perf_counter(), 0.0
+        command = " ".join([Path(sys.executable).name, *sys.argv])
+        self.record: dict[str, Any] = {"command": command, "args": vars(args), "torch": torch.__version__}
+        self.record.update(source={}, curve=[], steps=[], answers={})
+
+    def write(self) -> None:
+        if self.args.json:
+            atomic_write_json(Path(self.args.json), self.record)
+
+    def evaluate(self, model: nn.Module, tokenizer, texts: dict[str, dict[str, str]], step: int, tokens: int):
+        point = {"step": step, "train_tokens": tokens, "train_seconds": round(self.train_seconds, 1)}
+        for split, cells in texts.items():
+            point[split] = evaluate(model, tokenizer, cells, self.args)
+            source = self.record["source"][split]["bits_per_byte"]
+            point[split]["vs_source"] = point[split]["bits_per_byte"] / source - 1
+            print(
+                f"[eval] step {step} tokens {tokens} train {self.train_seconds / 60:.1f} min {split}: "
+                f"{point[split]['bits_per_byte']:.4f} bits/byte (source {source:.4f}, "
+                f"{100 * point[split]['vs_source']:+.2f}%), "
+                f"{point[split]['tokens_per_concept']:.2f} tokens/concept",
+                flush=True,
+            )
+        point["wall_seconds"] = round(time.perf_counter() - self.started, 1)
+        self.record["curve"].append(point)
+        self.write()
+
+
+def train(model: nn.Module, tokenizer, data: TrainBatches, texts: dict, run: Run) -> int:
+    """Train until the time budget, --max-steps or the data run out, evaluating on schedule; returns the
+    number of steps."""
+    args = run.args
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps)
+    )
+    budget, every, step = 60 * args.minutes, 60 * args.eval_every_minutes, 0
+    next_eval = every
+    model.train()
+    while run.train_seconds < budget and (args.max_steps is None or step < args.max_steps):
+        batch = data.next_batch()
+        if batch is None:
+            print("[train] the train split is used up", flush=True)
+            break
+        began = time.perf_counter()
+        figures = training_step(model, optimizer, batch)
+        warmup.step()
+        step += 1
+        seconds = time.perf_counter() - began
+        run.train_seconds += seconds
+        run.record["steps"].append({"step": step, "seconds": round(seconds, 2), **figures})
+        print(
+            f"[train] step {step} loss {figures['loss']:.4f} lm {figures.get('lm_loss', math.nan):.4f} "
+            f"ratio {figures.get('compression_ratio', math.nan):.2f} grad {figures['grad_norm']:.2f} "
+            f"{seconds:.1f} s",
+            flush=True,
+        )
+        if run.train_seconds >= next_eval:
+            run.evaluate(model, tokenizer, texts, step, data.tokens)
+            next_eval += every
+            model.train()
+    return step
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    run = Run(args)
+    with tempfile.TemporaryDirectory(prefix="recover-conceptmoe-") as scratch:
+        scratch = Path(scratch)
+        source, corpus = quick_fixture(scratch) if args.quick else (Path(args.source), Path(args.corpus))
+        return recover(source, corpus, scratch, run)
+
+
+def recover(source: Path, corpus: Path, scratch: Path, run: Run) -> dict:
+    """Evaluate the source, convert, train, evaluate; `run.record` filled and returned."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = run.args
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    splits = load_saved_dataset(corpus)
+    texts = {split: heldout_texts(splits[split], args.eval_bytes) for split in args.eval_splits}
+    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    for split, cells in texts.items():
+        run.record["source"][split] = evaluate(original, tokenizer, cells, args)
+        print(f"[source] {split}: {run.record['source'][split]['bits_per_byte']:.4f} bits/byte", flush=True)
+    run.record["answers"]["source"] = answers(original, tokenizer, args.answer_tokens)
+    del original
+    model = converted_model(source, scratch / "converted", args)
+    run.record["answers"]["before"] = answers(model, tokenizer, args.answer_tokens)
+    model = prepare_training(model, args.train, args.lora_rank)
+    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    run.record["trainable_parameters"] = sum(count for count, trains in counts if trains)
+    run.record["parameters"] = sum(count for count, _ in counts)
+    print(
+        f"[setup] --train {args.train}: {run.record['trainable_parameters']:,} of "
+        f"{run.record['parameters']:,} parameters train, lr {args.lr}",
+        flush=True,
+    )
+    run.evaluate(model, tokenizer, texts, 0, 0)
+    data = TrainBatches(splits["train"], tokenizer, args.context, args.batch_size)
+    steps = train(model, tokenizer, data, texts, run)
+    if not run.record["curve"] or run.record["curve"][-1]["step"] != steps:
+        run.evaluate(model, tokenizer, texts, steps, data.tokens)
+    run.record["answers"]["after"] = answers(model, tokenizer, args.answer_tokens)
+    seconds = [entry["seconds"] for entry in run.record["steps"]]
+    run.record["seconds_per_step"] = sum(seconds) / len(seconds) if seconds else None
+    run.write()
+    replies = run.record["answers"]
+    for index, prompt in enumerate(PROMPTS):
+        print(f"[answers] {prompt!r}", flush=True)
+        for key in ("source", "before", "after"):
+            print(f"  {key + ':':<8}{replies[key][index]!r}", flush=True)
+    if args.save:
+        save_model(model, tokenizer, Path(args.save))
+    return run.record
+
+
+# ----------------------------------------------------------------------------------------------- quick
+
+
+def tiny_source(folder: Path) -> Path:
+    """A tiny random Llama with the bundled BPE tokenizer, saved to folder/source."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_concept.data.bpe import bundled_tokenizer
+
+    tokenizer = bundled_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder / "source")
+    tokenizer.save_pretrained(folder / "source")
+    return folder / "source"
+
+
+def quick_fixture(folder: Path) -> tuple[Path, Path]:
+    """`tiny_source`, and a train / validation / held_out DatasetDict cut from the bundled corpus
+    (paragraphs; validation and held_out alternate): the --quick stand-ins."""
+    from datasets import Dataset, DatasetDict
+
+    from hf_concept.data.corpus import corpus_documents
+
+    source = tiny_source(folder)
+    rows: dict[str, list[dict]] = {"train": [], "validation": [], "held_out": []}
+    for split in ("train", "validation"):
+        for name, text in corpus_documents(split):
+            language = Path(name).stem
+            paragraphs = [piece for piece in text.split("\n\n") if piece.strip()]
+            for index, paragraph in enumerate(paragraphs):
+                target = split if split == "train" else ("validation", "held_out")[index % 2]
+                rows[target].append(
+                    dict(
+                        text=paragraph,
+                        language=language,
+                        kind="prose",
+                        source=name,
+                        document=f"{name}#{index}",
+                    )
+                )
+    DatasetDict({split: Dataset.from_list(items) for split, items in rows.items()}).save_to_disk(
+        folder / "corpus"
+    )
+    return source, folder / "corpus"
+
+
+QUICK = dict(
+    minutes=1.0,
+    max_steps=3,
+    eval_every_minutes=1.0,
+    eval_bytes=300,
+    batch_size=2,
+    context=32,
+    answer_tokens=4,
+    threads=1,
+    encoder_layers=1,
+    decoder_layers=1,
+    lora_rank=4,
+    eval_splits="validation,held_out",
+)
+
+
+if __name__ == "__main__":
+    main()
