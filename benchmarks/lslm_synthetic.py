@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--clip-after-drop", action="store_true", help="clip each phase's own gradients (interleaved updates)"
     )
+    parser.add_argument("--joint", action="store_true", help="update every parameter at every step")
     parser.add_argument(
         "--set", action="append", default=[], help='LSLMConfig field=value (JSON value), e.g. prior_loss="kl"'
     )
@@ -177,7 +178,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     torch.manual_seed(seed)
     model = lslm_model(args, prior_mean=round(word_rate, 3))
     started = time.perf_counter()
-    train(model, args, language, random.Random(seed), model.config.update_schedule)
+    train(model, args, language, random.Random(seed), None if args.joint else model.config.update_schedule)
     result["lslm"] = evaluate(model, heldout, args.context)
     result["lslm"]["seconds"] = time.perf_counter() - started
     result["lslm"]["parameters"] = sum(p.numel() for p in model.parameters())
