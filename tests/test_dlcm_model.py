@@ -214,13 +214,13 @@ def test_decoder_mlp_width_is_its_own_field_and_the_planner_counts_it():
     assert parameter_count(DLCMSpec.from_config(model.config)) == expected
 
 
-def test_gpu_varlen_wiring_gives_the_same_logits_with_a_stand_in_kernel(monkeypatch):
-    """Where flash-attn can run, training packs documents for its varlen kernel; here an SDPA stand-in
-    with the same contract takes its place, and the logits equal the SDPA path (padded and packed)."""
-    from hf_concept.modeling import modeling_dlcm
-    from hf_concept.modeling.replication import sdpa_varlen
+def test_gpu_varlen_wiring_gives_the_same_logits_with_a_stand_in_kernel():
+    """Under attn_implementation="hf_concept_varlen" the replicated cross-attention (and every token and
+    concept layer) packs documents for torch's varlen kernel; here `varlen_reference` of the same contract
+    takes its place, and the logits equal the SDPA path (padded and packed)."""
+    from hf_concept.modeling.varlen import use_varlen_kernel, varlen_reference
 
-    # The replicated form is what the varlen kernel runs (on GPU "auto" picks it).
+    # The replicated form is what the varlen kernel runs.
     model = dlcm(cross_attention_form="replicated")
     input_ids = ids(2, 12)
     attention_mask = torch.ones_like(input_ids)
@@ -232,13 +232,16 @@ def test_gpu_varlen_wiring_gives_the_same_logits_with_a_stand_in_kernel(monkeypa
 
     def stand_in(*args, **kwargs):
         calls.append(1)
-        return sdpa_varlen(*args, **kwargs)
+        return varlen_reference(*args, **kwargs)
 
-    monkeypatch.setattr(modeling_dlcm, "flash_varlen_kernel", lambda query: stand_in)
-    for case, reference in zip(cases, expected, strict=True):
-        real = case.get("attention_mask", torch.ones_like(input_ids)).bool()
-        assert_close(logits(model, input_ids, False, **case)[real], reference[real], atol=1e-5, rtol=1e-5)
-    assert len(calls) == 2 * BACKBONE["decoder_layers"]
+    model.set_attn_implementation("hf_concept_varlen")
+    with use_varlen_kernel(stand_in):
+        for case, reference in zip(cases, expected, strict=True):
+            real = case.get("attention_mask", torch.ones_like(input_ids)).bool()
+            assert_close(logits(model, input_ids, False, **case)[real], reference[real], atol=1e-5, rtol=1e-5)
+    config = model.config
+    layers = config.encoder_layers + config.concept_layers + 2 * config.decoder_layers
+    assert len(calls) == 2 * layers
 
 
 def test_a_fresh_cached_prefill_reads_by_replication_and_decodes_by_counts():

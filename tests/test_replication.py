@@ -193,9 +193,10 @@ def test_bad_inputs_raise_value_errors():
 
 
 def test_varlen_form_equals_the_reference_on_padded_packed_rows():
-    """The varlen packing (one sequence per document, pads dropped) with an SDPA stand-in for flash-attn's
+    """The varlen packing (one sequence per document, pads dropped) with `varlen_reference` for torch's
     kernel gives the loop reference's outputs and gradients; only the CUDA kernel itself is not run here."""
-    from hf_concept.modeling.replication import replicated_concept_attention_varlen, sdpa_varlen
+    from hf_concept.modeling.replication import replicated_concept_attention_varlen
+    from hf_concept.modeling.varlen import varlen_reference as sdpa_varlen
 
     case = make_case(ROWS, num_heads=4, kv_heads=2, head_dim=8, seed=5)
     fast = [t.clone().requires_grad_(True) for t in case[:3]]

@@ -34,8 +34,24 @@ from .modeling_plain import CausalLMMixin, PlainDecoderModel, default_position_i
 from .packing import document_starts, token_mask
 from .ratio_step import RatioAccumulator
 from .routing import boundary_decisions, expected_boundaries, ratio_loss, rule_boundaries, scale_aux_loss
+from .varlen import VARLEN_ATTENTION
 
 logger = logging.get_logger(__name__)
+
+
+def isolate_invalid_queries(mask: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor | None:
+    """The (B, 1, Cq, Ck) concept mask with each invalid query slot reading only itself. Their outputs
+    are never used; an invalid slot that reads its row's valid concepts breaks the causal-segment shape
+    the varlen kernel needs (trailing invalid slots of a short row), one that reads itself keeps it."""
+    if mask is None:
+        return None
+    num_queries, num_keys = mask.shape[-2:]
+    query_valid = valid[:, num_keys - num_queries :]  # (B, Cq)
+    own = (
+        torch.arange(num_keys, device=mask.device)[None, :]
+        == torch.arange(num_keys - num_queries, num_keys, device=mask.device)[:, None]
+    )  # (Cq, Ck)
+    return torch.where(query_valid[:, None, :, None], mask, own)
 
 
 class ConfigView:
@@ -204,7 +220,8 @@ class ConceptStackMixin:
 
         Where the full-attention mask is plain causal (every slot real, one document per row, queries
         covering all slots or a single query), sdpa gets no mask: its causal kernel skips the masked
-        half, which an explicit boolean mask prevents (about 2.5× faster at 4k concepts on CPU). Eager
+        half, which an explicit boolean mask prevents (about 2.5× faster at 4k concepts on CPU). The
+        varlen kernel reads a missing mask the same way and is spared reading the layout off one. Eager
         attention treats a missing mask as no mask at all, so it always gets the boolean one.
         """
         valid, documents, _ = slots
@@ -212,7 +229,7 @@ class ConceptStackMixin:
         masks: dict[str, Any] = {}
         if "full_attention" in layer_types:
             plain_causal = (
-                self.config._attn_implementation == "sdpa"
+                self.config._attn_implementation in ("sdpa", VARLEN_ATTENTION)
                 and num_queries in (1, valid.shape[1])
                 and bool(valid.all())
                 and bool((documents == documents[:, :1]).all())
@@ -223,6 +240,8 @@ class ConceptStackMixin:
         if "sliding_attention" in layer_types:
             window = self.config.sliding_window
             masks["sliding_attention"] = concept_attention_mask(*slots, num_queries, window)
+        if self.config._attn_implementation == VARLEN_ATTENTION:
+            masks = {kind: isolate_invalid_queries(mask, valid) for kind, mask in masks.items()}
         return masks
 
     def state_of(self, cache: ConceptCache | None, token_states: torch.Tensor) -> ConceptState:

@@ -82,7 +82,7 @@ from .replication import (
     concept_attention_biased,
     concept_counts,
     concept_slot_weights,
-    flash_varlen_kernel,
+    cross_varlen_kernel,
     log_count_bias,
     preferred_form,
     replicated_concept_attention,
@@ -123,6 +123,8 @@ class ConceptCrossAttention(nn.Module):
 
     def __init__(self, config: DLCMConfig) -> None:
         super().__init__()
+        # Kept to read `_attn_implementation` at run time (`set_attn_implementation` changes it later).
+        self.config = config
         self.num_heads = config.cross_num_attention_heads
         self.num_key_value_heads = config.cross_num_key_value_heads
         self.head_dim = config.cross_head_dim
@@ -155,13 +157,17 @@ class ConceptCrossAttention(nn.Module):
         batch, length, _ = token_states.shape
         query = self.q_proj(token_states).view(batch, length, self.num_heads, self.head_dim)
         query = self.q_norm(query).transpose(1, 2)  # (B, Hx, L, Kx)
-        varlen_kernel = flash_varlen_kernel(query) if reading.slot_bias is None else None
+        varlen_kernel = (
+            cross_varlen_kernel(query, self.config._attn_implementation)
+            if reading.slot_bias is None
+            else None
+        )
         if reading.slot_bias is not None:
             attended = concept_attention_biased(
                 query, concept_keys, concept_values, reading.slot_bias, reading.sees, scale=self.scaling
             )
         elif varlen_kernel is not None:
-            # GPU training path (DLCM §4.1): replicated K/V on flash-attn's varlen causal kernel.
+            # GPU path (DLCM §4.1): replicated K/V packed per document on a varlen causal kernel.
             attended = replicated_concept_attention_varlen(
                 query,
                 concept_keys,

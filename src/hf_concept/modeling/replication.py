@@ -24,10 +24,10 @@ GQA: query head h reads key/value head h // (H / G), as in transformers' `repeat
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
+
+from .varlen import VARLEN_ATTENTION, attend_packed, kernel_for, layout_from_documents, warn_fallback
 
 
 def _expand_heads(concept_states: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -294,57 +294,26 @@ CPU_COUNTED_ABOVE_RATIO = 3.0
 CPU_COUNTED_MAX_TOKENS = {True: 4096, False: 1024}
 
 
+# CUDA: the fastest form per (most tokens, fewest tokens per slot, training), first match wins, as
+# `benchmarks/gpu_suite.py` measures it on one GPU (its "DLCM forms" table prints these rows). Empty until
+# a GPU run fills it; until then CUDA keeps the replicated form, the paper's choice, unmeasured here.
+CUDA_MEASURED_FORMS: tuple[tuple[int, float, bool, str], ...] = ()
+
+
 def preferred_form(device: torch.device, num_tokens: int, num_slots: int, training: bool) -> str:
     """ "replicated" or "counted": the form measured faster for a fresh call of `num_tokens` tokens over
-    `num_slots` concept slots on `device`, `training` meaning a backward pass follows. On CUDA the
-    replicated form (flash-attn's varlen kernel where installed: the paper's 1.26–1.73× over flex
-    attention; not measured here); on CPU the measured crossover above."""
-    if device.type != "cpu":
-        return "replicated"
-    if num_tokens >= CPU_COUNTED_ABOVE_RATIO * num_slots:
-        return "counted"
-    return "counted" if num_tokens <= CPU_COUNTED_MAX_TOKENS[training] else "replicated"
-
-
-def varlen_layout(mask: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The packed ("varlen") layout of the real tokens: (N,) flat row-major positions of the real tokens,
-    int32 (S + 1,) cumulative sequence lengths with one sequence per document, and the longest one."""
-    real = mask.reshape(-1)
-    positions = torch.nonzero(real).flatten()  # (N,)
-    # A sequence opens at each document start and at each row's first real token.
-    first_real = mask & (torch.cumsum(mask.long(), dim=1) == 1)
-    opens = (starts | first_real).reshape(-1)[positions]
-    boundaries = torch.nonzero(opens).flatten()
-    total = torch.tensor([positions.numel()], device=mask.device)
-    cu_seqlens = torch.cat([boundaries, total]).to(torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if boundaries.numel() else 0
-    return positions, cu_seqlens, max_seqlen
-
-
-def sdpa_varlen(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-) -> torch.Tensor:
-    """flash-attn's `flash_attn_varlen_func` contract on SDPA, one sequence at a time: (N, H, K) packed
-    query, (N, G, K) key/value -> (N, H, K). The CPU stand-in the varlen path is tested with."""
-    output = torch.empty_like(query)
-    groups = query.shape[1] // key.shape[1]
-    bounds = cu_seqlens_q.tolist()
-    for start, end in itertools.pairwise(bounds):
-        # (1, H, n, K) per sequence
-        q = query[start:end].transpose(0, 1).unsqueeze(0)
-        k = key[start:end].transpose(0, 1).unsqueeze(0).repeat_interleave(groups, dim=1)
-        v = value[start:end].transpose(0, 1).unsqueeze(0).repeat_interleave(groups, dim=1)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
-        output[start:end] = attended[0].transpose(0, 1)
-    return output
+    `num_slots` concept slots on `device`, `training` meaning a backward pass follows. On CPU the measured
+    crossover above; on CUDA the first row of `CUDA_MEASURED_FORMS` that covers the call, the replicated
+    form (DLCM §4.1, on a varlen kernel where one runs) when none does."""
+    if device.type == "cpu":
+        if num_tokens >= CPU_COUNTED_ABOVE_RATIO * num_slots:
+            return "counted"
+        return "counted" if num_tokens <= CPU_COUNTED_MAX_TOKENS[training] else "replicated"
+    if device.type == "cuda":
+        for max_tokens, min_ratio, row_training, form in CUDA_MEASURED_FORMS:
+            if row_training == training and num_tokens <= max_tokens and num_tokens >= min_ratio * num_slots:
+                return form
+    return "replicated"
 
 
 def replicated_concept_attention_varlen(
@@ -357,46 +326,47 @@ def replicated_concept_attention_varlen(
     scale: float | None = None,
     varlen_kernel=None,
 ) -> torch.Tensor:
-    """(B, H, L, K): the replicated form on a varlen causal kernel (flash-attn's on GPU, DLCM §4.1):
-    real tokens packed, one sequence per document, so padding and packing need no mask.
+    """(B, H, L, K): the replicated form on a varlen causal kernel (DLCM §4.1): real tokens packed, one
+    sequence per document, so padding and packing need no mask.
 
     Every real token must carry a concept (`index >= 0`, as DLCM's null concept ensures); pads get zeros.
-    `varlen_kernel` defaults to `flash_attn.flash_attn_varlen_func` (the `gpu` extra).
+    `varlen_kernel` follows `torch.nn.attention.varlen.varlen_attn`'s contract (`varlen.kernel_for`).
     """
     if bool(((index < 0) & mask).any()):
         raise ValueError("the varlen form needs every real token to carry a concept (index >= 0)")
-    if varlen_kernel is None:
-        from flash_attn import flash_attn_varlen_func as varlen_kernel
-    batch, num_heads, length, head_dim = query_states.shape
     key_states, value_states = replicate_concept_kv(concept_k, concept_v, index)  # (B, G, L, K)
-    positions, cu_seqlens, max_seqlen = varlen_layout(mask, starts)
-
-    def packed(states: torch.Tensor) -> torch.Tensor:
-        # (B, X, L, K) -> (N, X, K)
-        return states.transpose(1, 2).reshape(batch * length, states.shape[1], head_dim)[positions]
-
-    attended = varlen_kernel(
-        packed(query_states),
-        packed(key_states),
-        packed(value_states),
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        softmax_scale=scale,
-        causal=True,
-    )
-    output = query_states.new_zeros(batch * length, num_heads, head_dim)
-    output[positions] = attended.to(output.dtype)
-    return output.view(batch, length, num_heads, head_dim).transpose(1, 2)
+    layout = layout_from_documents(mask, starts)
+    attended = attend_packed(varlen_kernel, query_states, key_states, value_states, layout, scale)
+    return attended.transpose(1, 2)  # (B, H, L, K)
 
 
-def flash_varlen_kernel(query_states: torch.Tensor):
-    """flash-attn's varlen kernel where it can run (CUDA, fp16/bf16, the `gpu` extra installed), else None."""
+def _flash_attn_kernel(flash_attn_varlen_func):
+    """flash-attn's `flash_attn_varlen_func` behind `varlen_attn`'s contract (causal layouts only)."""
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, 0), **_):
+        return flash_attn_varlen_func(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale, causal=True
+        )
+
+    return kernel
+
+
+def cross_varlen_kernel(query_states: torch.Tensor, implementation: str | None):
+    """The varlen kernel for the replicated cross-attention, or None for the masked SDPA form: under
+    `attn_implementation="hf_concept_varlen"` PyTorch's own (CUDA, fp16/bf16; elsewhere None with a
+    one-time warning), otherwise flash-attn's where it can run (CUDA, fp16/bf16, the `gpu` extra)."""
+    if implementation == VARLEN_ATTENTION:
+        kernel = kernel_for(query_states)
+        if kernel is None:
+            warn_fallback(
+                f"DLCM's replicated cross-attention runs the masked sdpa form on "
+                f"{query_states.device.type} in {query_states.dtype}"
+            )
+        return kernel
     if not query_states.is_cuda or query_states.dtype not in (torch.float16, torch.bfloat16):
         return None
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         return None
-    return flash_attn_varlen_func
+    return _flash_attn_kernel(flash_attn_varlen_func)
