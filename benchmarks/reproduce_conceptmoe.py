@@ -39,6 +39,11 @@ the source continued, the pretrained source kept in `DIR/models`), a checkpoint 
 it skips the finished runs and resumes the others to the results an uninterrupted sweep gives.
 `--status` prints each run as done / running / left with time estimates, and trains nothing.
 
+`--arms` runs some of the arms only (comma-separated): the from-scratch configurations named above and
+`ct`, the whole CT group (pretraining, both conversions and the source continued); default all. A table
+row, paired difference or direction that needs an arm not run says "not run"; a sweep records its runs,
+so a sweep started with other arms is refused like one started with other settings.
+
 Each run prints and records `gap` = held-out loss − training LM loss (mean over the last 5% of steps).
 `--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
 a BPE of the same kind trained on a sample of its train split, each training window read at most once
@@ -50,13 +55,14 @@ mix of cells.
         [--continue-steps 200] [--width 64] [--layers 2,4,2] [--context 256] [--batch-size 16]
         [--accumulation 2] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
         [--json PATH] [--png PATH] [--quick] [--corpus DIR [--heldout-tokens N]]
-        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
+        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]] [--arms no-chunk,fixed,dynamic,ct]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import multiprocessing
 import statistics
 import sys
@@ -96,6 +102,11 @@ SCRATCH = {
     "lambda-0.01": dict(aux_loss_weight=0.01),
     "lambda-0.1": dict(aux_loss_weight=0.1),
 }
+# The CT group's arm for --arms, and the models it reports.
+CT = "ct"
+CT_MODELS = ("source continued", *(f"converted R={ratio:g}" for ratio in CT_RATIOS))
+NOT_RUN = "not run"
+ARMS = (*SCRATCH, CT)
 QUICK = dict(
     seeds=(0,), steps=4, pretrain_steps=4, continue_steps=4, width=32, layers=(1, 1, 1), context=64,
     batch_size=4, accumulation=2,
@@ -124,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak lr from scratch and in pretraining")
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
+    parser.add_argument(
+        "--arms", default=None, help=f"comma-separated arms to run, of {', '.join(ARMS)} (ct: the whole CT "
+        "group: pretraining, conversions, source continued); default all",
+    )  # fmt: skip
     runner.add_run_flags(parser)
     sweep.add_sweep_flags(parser)
     corpus_data.add_corpus_flags(parser)
@@ -133,7 +148,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sweep.check_sweep_flags(parser, args)
     if args.width % (2 * HEAD_WIDTH):
         parser.error(f"--width={args.width} must be a multiple of {2 * HEAD_WIDTH} (heads of 16, KV half)")
+    args.arms = ARMS if args.arms is None else chosen_arms(parser, args.arms, {name: name for name in ARMS})
     return args
+
+
+def chosen_arms(parser: argparse.ArgumentParser, text: str, spellings: dict[str, str]) -> tuple[str, ...]:
+    """The arms `--arms` names (`spellings`: each accepted name -> its arm), in the order the arms first
+    appear in `spellings`; an unknown name exits 2 naming it and the valid names."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in spellings]
+    if unknown:
+        parser.error(f"--arms={text!r}: unknown arm {unknown[0]!r}; valid: {', '.join(spellings)}")
+    wanted = {spellings[name] for name in names}
+    return tuple(arm for arm in dict.fromkeys(spellings.values()) if arm in wanted)
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -190,9 +217,10 @@ def build_scratch(args: argparse.Namespace, name: str, seed: int, vocab_size: in
 
 
 def compute_table(args: argparse.Namespace, vocab_size: int, pad_id: int) -> list[dict]:
-    """Per ConceptMoE configuration: concept top-k, parameters and FLOPs per token against the source."""
+    """Per ConceptMoE configuration run: concept top-k, parameters and FLOPs per token against the source."""
     rows = []
-    for name, changes in SCRATCH.items():
+    for name in scratch_arms(args):
+        changes = SCRATCH[name]
         if changes is None:
             continue
         config = conceptmoe_config(args, changes, vocab_size, pad_id)
@@ -464,11 +492,11 @@ def run_jobs(args: argparse.Namespace) -> list[dict]:
     """Every job, the longest (CT) first, in `args.workers` processes (in this one for a single worker).
     Under `--sweep-dir`, a run already in the sweep's results is taken from there, not run again."""
     # A CT job looks up its own runs (pretraining, then each continued model).
-    jobs = [(None, ct_job, (args, seed)) for seed in args.seeds]
+    jobs = [(None, ct_job, (args, seed)) for seed in args.seeds if CT in args.arms]
     jobs += [
         (scratch_spec(args, name, seed), scratch_job, (args, name, seed))
         for seed in args.seeds
-        for name in SCRATCH
+        for name in scratch_arms(args)
     ]
     done = sweep.read_results(args.sweep_dir) if args.sweep_dir else {}
     if args.workers == 1:
@@ -481,6 +509,11 @@ def run_jobs(args: argparse.Namespace) -> list[dict]:
             for spec, function, job_args in jobs
         ]
         return [entry if isinstance(entry, dict) else entry.result() for entry in futures]
+
+
+def scratch_arms(args: argparse.Namespace) -> list[str]:
+    """The from-scratch configurations `--arms` asks for, in `SCRATCH`'s order."""
+    return [name for name in SCRATCH if name in args.arms]
 
 
 def run_settings(args: argparse.Namespace, *names: str) -> dict:
@@ -509,9 +542,9 @@ def ct_spec(args: argparse.Namespace, seed: int, arm: str) -> sweep.RunSpec:
 
 
 def sweep_specs(args: argparse.Namespace) -> list[sweep.RunSpec]:
-    """The sweep's manifest runs, in `run_jobs`' order."""
-    runs = [ct_spec(args, seed, arm) for seed in args.seeds for arm in CT_ARMS]
-    return runs + [scratch_spec(args, name, seed) for seed in args.seeds for name in SCRATCH]
+    """The sweep's manifest runs, in `run_jobs`' order (the arms run and their settings)."""
+    runs = [ct_spec(args, seed, arm) for seed in args.seeds for arm in CT_ARMS if CT in args.arms]
+    return runs + [scratch_spec(args, name, seed) for seed in args.seeds for name in scratch_arms(args)]
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -556,6 +589,11 @@ def signed(values_: list[float], digits: int = 4) -> str:
     return f"{mean:+.{digits}f} ± {std:.{digits}f}"
 
 
+def delta(table: dict[str, dict[int, dict]], name: str, baseline: str, key: str) -> str:
+    """The paired difference's cell, "not run" without the baseline."""
+    return signed(paired(table, name, baseline, key)) if baseline in table else NOT_RUN
+
+
 def print_compute_table(rows: list[dict]) -> None:
     print("\n[compute] per token against the plain MoE source (hf_concept.compute, context = --context)")
     print(f"{'configuration':<16}{'concept top-k':>14}{'params':>10}{'active':>10}{'matmul FLOPs':>14}"
@@ -577,57 +615,67 @@ def print_scratch_table(table: dict[str, dict[int, dict]]) -> None:
     print(f"\n[§4.5] from scratch, target R = {TARGET_RATIO:g}; Δ = paired difference against no-chunk")
     print(f"{'configuration':<15}{'held-out loss':>18}{'Δ held-out':>20}{'train loss':>18}{'Δ train':>20}"
           f"{'inference R':>14}{'sampled R':>14}{'train R (end)':>16}")  # fmt: skip
-    for name in table:
+    for name in SCRATCH:
+        if name not in table:
+            print(f"{name:<15}{NOT_RUN:>18}")
+            continue
         ratios = [
             runner.cell(values(table, name, key), 2) if key in table[name][min(table[name])] else "—"
             for key in ("inference_ratio", "sampled_ratio", "train_ratio")
         ]
         print(f"{name:<15}{runner.cell(values(table, name, 'loss'), 4):>18}"
-              f"{signed(paired(table, name, 'no-chunk', 'loss')):>20}"
+              f"{delta(table, name, 'no-chunk', 'loss'):>20}"
               f"{runner.cell(values(table, name, 'train_loss'), 4):>18}"
-              f"{signed(paired(table, name, 'no-chunk', 'train_loss')):>20}"
+              f"{delta(table, name, 'no-chunk', 'train_loss'):>20}"
               f"{ratios[0]:>14}{ratios[1]:>14}{ratios[2]:>16}")  # fmt: skip
 
 
 def print_ct_table(table: dict[str, dict[int, dict]]) -> None:
     print("\n[§4.3] CT conversion; Δ = paired difference against the source continued for the same steps")
     print(f"{'model':<18}{'right after conversion':>24}{'after continuing':>20}{'Δ':>20}{'inference R':>14}")
-    for name in table:
+    for name in CT_MODELS:
+        if name not in table:
+            print(f"{name:<18}{NOT_RUN:>24}")
+            continue
         ratio = runner.cell(values(table, name, "inference_ratio"), 2) if name != "source continued" else "—"
         print(f"{name:<18}{runner.cell(values(table, name, 'converted_loss'), 4):>24}"
               f"{runner.cell(values(table, name, 'loss'), 4):>20}"
               f"{signed(paired(table, name, 'source continued', 'loss')):>20}{ratio:>14}")  # fmt: skip
 
 
-def directions(scratch: dict, ct: dict) -> dict[str, bool]:
-    """The paper's directions, read off the seed means."""
+def directions(scratch: dict, ct: dict) -> dict[str, bool | None]:
+    """The paper's directions, read off the seed means; None where an arm one needs was not run."""
+    ran = {**scratch, **ct}
 
-    def mean(table: dict, name: str, key: str) -> float:
-        return statistics.fmean(values(table, name, key))
+    def mean(name: str, key: str) -> float:
+        return statistics.fmean(values(ran, name, key))
+
+    def rising(key: str, *names: str) -> tuple[tuple[str, ...], Callable[[], bool]]:
+        # The seed means of `key` rise along `names`.
+        return names, lambda: all(mean(low, key) < mean(high, key) for low, high in itertools.pairwise(names))
 
     lambdas = ("lambda-0.01", "dynamic", "lambda-0.1")
-    verdict = {
-        "dynamic < no-chunk (held-out loss)": mean(scratch, "dynamic", "loss")
-        < mean(scratch, "no-chunk", "loss"),
-        "no-chunk < fixed (held-out loss)": mean(scratch, "no-chunk", "loss")
-        < mean(scratch, "fixed", "loss"),
-        "linear router < cosine in training loss (Fig. 9a)": mean(scratch, "linear-router", "train_loss")
-        < mean(scratch, "dynamic", "train_loss"),
-        "no joint decoding < joint in training loss (Fig. 9a)": mean(scratch, "no-joint", "train_loss")
-        < mean(scratch, "dynamic", "train_loss"),
-        "training loss rises with λ (0.01 < 0.03 < 0.1)": mean(scratch, lambdas[0], "train_loss")
-        < mean(scratch, lambdas[1], "train_loss")
-        < mean(scratch, lambdas[2], "train_loss"),
-        "every λ realises R within ±10% (held-out inference ratio)": all(
-            abs(mean(scratch, name, "inference_ratio") / TARGET_RATIO - 1) <= 0.1 for name in lambdas
+    checks = {
+        "dynamic < no-chunk (held-out loss)": rising("loss", "dynamic", "no-chunk"),
+        "no-chunk < fixed (held-out loss)": rising("loss", "no-chunk", "fixed"),
+        "linear router < cosine in training loss (Fig. 9a)": rising("train_loss", "linear-router", "dynamic"),
+        "no joint decoding < joint in training loss (Fig. 9a)": rising("train_loss", "no-joint", "dynamic"),
+        "training loss rises with λ (0.01 < 0.03 < 0.1)": rising("train_loss", *lambdas),
+        "every λ realises R within ±10% (held-out inference ratio)": (
+            lambdas,
+            lambda: all(abs(mean(name, "inference_ratio") / TARGET_RATIO - 1) <= 0.1 for name in lambdas),
         ),
     }
     for ratio in CT_RATIOS:
         name = f"converted R={ratio:g}"
-        verdict[f"CT R={ratio:g} lossless (held-out within 1% of the source continued)"] = mean(
-            ct, name, "loss"
-        ) <= 1.01 * mean(ct, "source continued", "loss")
-    return verdict
+        checks[f"CT R={ratio:g} lossless (held-out within 1% of the source continued)"] = (
+            (name, "source continued"),
+            lambda name=name: mean(name, "loss") <= 1.01 * mean("source continued", "loss"),
+        )
+    return {
+        label: test() if all(name in ran for name in needs) else None
+        for label, (needs, test) in checks.items()
+    }
 
 
 def mean_curve(runs: list[dict], config: str, key: str) -> list[float]:
@@ -642,9 +690,10 @@ def draw(runs: list[dict], path: str) -> bool:
     if plt is None:
         return False
     figure, (loss_axis, ratio_axis) = plt.subplots(1, 2, figsize=(12, 4))
-    baseline = mean_curve(runs, "no-chunk", "lm_loss")
+    ran = {run["config"] for run in runs if run["part"] == "scratch"}
+    baseline = mean_curve(runs, "no-chunk", "lm_loss") if "no-chunk" in ran else None
     for index, (name, changes) in enumerate(SCRATCH.items()):
-        if changes is None:
+        if changes is None or name not in ran:
             continue
         # One colour per configuration in both panels (the ratio panel has no fixed-chunking line).
         color = f"C{index}"
@@ -652,13 +701,15 @@ def draw(runs: list[dict], path: str) -> bool:
         # The first 10% of the steps differ by whole nats: the plot starts after them.
         start = len(curve) // 10
         steps = range(start + 1, len(curve) + 1)
-        gaps = [a - b for a, b in zip(curve[start:], baseline[start:], strict=True)]
-        loss_axis.plot(steps, gaps, label=name, color=color)
+        if baseline is not None:
+            gaps = [a - b for a, b in zip(curve[start:], baseline[start:], strict=True)]
+            loss_axis.plot(steps, gaps, label=name, color=color)
         if name != "fixed":
             ratios = mean_curve(runs, name, "inference_ratio")
             ratio_axis.plot(range(1, len(curve) + 1), ratios, label=name, color=color)
     loss_axis.axhline(0, color="grey", linewidth=1)
-    loss_axis.set_title("training LM loss − no-chunk (nats, mean of seeds)")
+    suffix = "" if baseline is not None else f": no-chunk {NOT_RUN}"
+    loss_axis.set_title(f"training LM loss − no-chunk (nats, mean of seeds){suffix}")
     ratio_axis.axhline(TARGET_RATIO, color="grey", linestyle="--", linewidth=1)
     ratio_axis.set_yscale("log", base=2)
     ratio_axis.set_title("inference ratio on the training batches (tokens per concept)")
@@ -679,7 +730,10 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     data = reproduce_dlcm.load_data_once(args)
     # A CT model reads its pretraining's windows, then the continuation's: all from one seed's order.
-    lineage = max(args.steps, args.pretrain_steps + args.continue_steps)
+    lineage = max(
+        args.steps if scratch_arms(args) else 0,
+        args.pretrain_steps + args.continue_steps if CT in args.arms else 0,
+    )
     corpus_data.require_windows(
         data, args, lineage, "the longest run (from scratch, or CT's pretraining + continuing)"
     )
@@ -692,9 +746,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_scratch_table(scratch)
     print_ct_table(ct)
     verdict = directions(scratch, ct)
-    print(
-        "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())
-    )
+    answers = {key: NOT_RUN if value is None else "yes" if value else "no" for key, value in verdict.items()}
+    print("\n[directions] " + "; ".join(f"{key}: {answer}" for key, answer in answers.items()))
     print(f"paper (final training-loss gaps, nats): {PAPER}")
     print(
         f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {args.workers} workers x {args.threads} "
@@ -702,7 +755,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     drawn = draw(runs, args.png) if args.png else False
     return runner.write_result(
-        args, seeds=list(args.seeds), wall_seconds=wall, compute=compute, runs=runs, directions=verdict,
+        args, seeds=list(args.seeds), wall_seconds=wall, compute=compute, runs=runs, arms=list(args.arms),
+        directions={key: value for key, value in verdict.items() if value is not None},
         heldout_tokens=data["heldout_tokens"], png=args.png if drawn else None, paper=PAPER,
     )  # fmt: skip
 

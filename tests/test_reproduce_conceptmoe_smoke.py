@@ -147,3 +147,62 @@ def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
 
     assert figures(resumed) == figures(plain)
     assert len((folder / "results.jsonl").read_text().splitlines()) == 4 + 7
+
+
+def test_arms_are_checked_and_a_sweep_of_other_arms_is_refused(tmp_path, capsys):
+    """`--arms`: an unknown name exits 2 naming it and the valid arms; the default is every arm; the
+    sweep's manifest lists the arms' runs, so a sweep started with other arms is refused."""
+    script = load_script()
+    with pytest.raises(SystemExit) as exited:
+        script.parse_args(["--arms", "dynamic,chunky"])
+    assert exited.value.code == 2
+    message = capsys.readouterr().err
+    assert "'chunky'" in message and "no-chunk, dynamic, fixed" in message and ", ct" in message
+    assert script.parse_args([]).arms == (*script.SCRATCH, "ct")
+    # The arms' own order, whatever the order asked.
+    args = script.parse_args(["--arms", "ct,dynamic,no-chunk", "--sweep-dir", str(tmp_path)])
+    assert args.arms == ("no-chunk", "dynamic", "ct")
+    runs = script.sweep_specs(args)
+    assert {run.arm for run in runs} == {"no-chunk", "dynamic", *script.CT_ARMS}
+    script.sweep.open_sweep(tmp_path, runs)
+    other = script.parse_args(["--arms", "no-chunk,fixed,ct", "--sweep-dir", str(tmp_path)])
+    with pytest.raises(script.sweep.SweepError, match="dynamic"):
+        script.sweep.open_sweep(tmp_path, script.sweep_specs(other))
+
+
+def test_directions_that_need_an_arm_not_run_are_not_run():
+    script = load_script()
+    figures = {seed: dict(loss=5.0 + seed, train_loss=4.0, inference_ratio=2.0) for seed in (0, 1)}
+    scratch = {
+        "no-chunk": figures,
+        "dynamic": {seed: dict(entry, loss=4.5) for seed, entry in figures.items()},
+    }
+    verdict = script.directions(scratch, {})
+    assert verdict["dynamic < no-chunk (held-out loss)"] is True
+    assert {key for key, value in verdict.items() if value is None} == set(verdict) - {
+        "dynamic < no-chunk (held-out loss)"
+    }
+
+
+@pytest.mark.slow
+def test_a_quick_run_of_some_arms_runs_those_only_and_says_what_was_not_run(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        figures = load_script().main(["--quick", "--workers", "1", "--arms", "dynamic,fixed"])
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert figures["arms"] == ["dynamic", "fixed"]
+    assert [(run["part"], run.get("config")) for run in figures["runs"]] == [
+        ("scratch", "dynamic"),
+        ("scratch", "fixed"),
+    ]
+    rows = {line.split()[0]: line for line in printed.splitlines() if line.strip()}
+    for name in ("no-chunk", "linear-router", "lambda-0.1", "source"):
+        assert rows[name].rstrip().endswith("not run"), rows[name]
+    # No baseline: the paired differences say so; no direction is judged without its arms.
+    assert rows["dynamic"].count("not run") == 2
+    assert "dynamic < no-chunk (held-out loss): not run" in printed
+    assert figures["directions"] == {}
