@@ -19,7 +19,13 @@ split and saved. Then every arm continues from it for `--continue-steps` on the 
 - "HD (n=4), 1 full layer", "HD (n=4), all full": HD (n=4) with only the default layout's first full
   layer kept (the others intra), and with every layer full; HD (n=4) itself is the "some" row;
 - "HD (n=4), expanded positions": HD (n=4) with `intra_stream_positions="expanded"` (p·n + k, the
-  paper's; issue 18 point 1).
+  paper's; issue 18 point 1);
+- "all-token loss (n=4)", "sum (n=4)": Table 5's supervisions at n = 4 (not in the paper), run only when
+  `--arms` names them (the default set is the ten above, so that a default run and sweep stay as they
+  were).
+Every arm converts with the converter's lossless default (token-block cross-stream layers, token
+positions), under which a "sum" or "all_streams" loss gives every stream the same gradient: those arms
+stay their source (the model warns; REPRODUCTION.md, the re-run with the lossless conversion).
 Held-out LM loss (nats per token, from the logits, i.e. the final stream's prediction, or the sum's) on
 the corpus's `validation` split in non-overlapping windows of `--context` tokens, right after conversion
 (the source's own loss for the source) and after continuing; the progressive arm also just before and
@@ -45,6 +51,12 @@ included), one line per finished run in `DIR/results.jsonl`; started again after
 finished runs and resumes the others to the figures an uninterrupted sweep gives. `--status` prints each
 run as done / running / left with time estimates, and trains nothing.
 
+`--arms` runs some of the arms only (comma-separated names or their short aliases: baseline, hd-n2,
+hd-n3, hd-n4, sum-n2, sum-n4, all-token-n2, all-token-n4, progressive, hd-n4-one-full, hd-n4-all-full,
+hd-n4-expanded); the source continued is always run, every arm being compared with it. A table row or
+direction that needs an arm not run says "not run"; a sweep records its runs, so a sweep started with
+other arms is refused like one started with other settings.
+
 Each run prints and records `gap` = held-out loss − training LM loss (mean over the last 5% of steps).
 `--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (`corpus_data`):
 a BPE of the same kind trained on a sample of its train split, each training window read at most once
@@ -56,7 +68,7 @@ the training mix of language/kind cells, pooled here.
         [--continue-steps 250] [--width 64] [--layers 8] [--context 128] [--batch-size 16]
         [--accumulation 1] [--lr 3e-3] [--continue-lr 1e-3] [--workers 2] [--threads 1]
         [--json PATH] [--png PATH] [--quick] [--corpus DIR [--heldout-tokens N]]
-        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
+        [--sweep-dir DIR [--checkpoint-minutes 5] [--status]] [--arms hd-n2,sum-n2,all-token-n2,...]
 """
 
 from __future__ import annotations
@@ -81,6 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus_data
 import eval_bits_per_byte as runner
 import reproduce_dlcm
+from reproduce_conceptmoe import chosen_arms
 
 from hf_concept.conversion.hidden_decoding import compact_layout
 from hf_concept.modeling.configuration_hidden_decoding import default_stream_layout
@@ -90,6 +103,7 @@ from hf_concept.utils import eval_mode
 HEAD_WIDTH = 16
 BASELINE = "source continued"
 CONTINUATION_SEED = 1000
+NOT_RUN = "not run"
 
 
 class Variant(NamedTuple):
@@ -121,6 +135,26 @@ VARIANTS = {
     "HD (n=4), 1 full layer": Variant(4, layout="one-full"),
     "HD (n=4), all full": Variant(4, layout="all-full"),
     "HD (n=4), expanded positions": Variant(4, positions="expanded"),
+    "all-token loss (n=4)": Variant(4, supervision="all_streams"),
+    "sum (n=4)": Variant(4, supervision="sum"),
+}
+# Run only when --arms names them: the default run and its sweep manifest stay those of the first ten.
+OPT_IN = ("all-token loss (n=4)", "sum (n=4)")
+DEFAULT_ARMS = tuple(name for name in VARIANTS if name not in OPT_IN)
+# --arms' short names (the arms' own names are accepted too).
+ALIASES = {
+    "baseline": BASELINE,
+    "all-token-n2": "all-token loss (n=2)",
+    "sum-n2": "sum (n=2)",
+    "hd-n2": "HD (n=2)",
+    "hd-n3": "HD (n=3)",
+    "hd-n4": "HD (n=4)",
+    "progressive": "progressive 1→2→4",
+    "hd-n4-one-full": "HD (n=4), 1 full layer",
+    "hd-n4-all-full": "HD (n=4), all full",
+    "hd-n4-expanded": "HD (n=4), expanded positions",
+    "all-token-n4": "all-token loss (n=4)",
+    "sum-n4": "sum (n=4)",
 }
 # Table title -> (row label, arm) pairs; an arm may appear in several tables.
 TABLES = {
@@ -147,6 +181,12 @@ TABLES = {
         ("source", BASELINE),
         ("token positions (p)", "HD (n=4)"),
         ("expanded positions (p·n+k)", "HD (n=4), expanded positions"),
+    ),
+    "[Table 5 at n=4] supervision design at n=4 (not in the paper)": (
+        ("baseline (n=1)", BASELINE),
+        ("all-token loss (n=4)", "all-token loss (n=4)"),
+        ("sum (n=4)", "sum (n=4)"),
+        ("HD (n=4)", "HD (n=4)"),
     ),
 }
 QUICK = dict(
@@ -177,6 +217,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak lr of the pretraining")
     parser.add_argument("--continue-lr", type=float, default=1e-3, help="peak lr of continued training")
+    aliases = "; ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
+    parser.add_argument(
+        "--arms", default=None, help="comma-separated arms to run besides the source continued (always "
+        f"run), by name or alias ({aliases}); default all but {' and '.join(OPT_IN)}",
+    )  # fmt: skip
     runner.add_run_flags(parser)
     sweep.add_sweep_flags(parser)
     corpus_data.add_corpus_flags(parser)
@@ -191,6 +236,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # With fewer layers the default layout has a single full layer: "1 full" and "some" would coincide.
     if args.layers < 8:
         parser.error(f"--layers={args.layers} must be >= 8 for three distinct §4.4 layouts")
+    if args.arms is None:
+        args.arms = DEFAULT_ARMS
+    else:
+        chosen = chosen_arms(parser, args.arms, {**{name: name for name in VARIANTS}, **ALIASES})
+        args.arms = tuple(name for name in VARIANTS if name in {BASELINE, *chosen})
     return args
 
 
@@ -471,8 +521,8 @@ def run_spec(args: argparse.Namespace, arm: str, seed: int) -> sweep.RunSpec:
 
 
 def sweep_specs(args: argparse.Namespace) -> list[sweep.RunSpec]:
-    """The sweep's manifest runs: per seed, the pretraining, then every arm."""
-    return [run_spec(args, arm, seed) for seed in args.seeds for arm in ("pretrain", *VARIANTS)]
+    """The sweep's manifest runs: per seed, the pretraining, then every arm run."""
+    return [run_spec(args, arm, seed) for seed in args.seeds for arm in ("pretrain", *args.arms)]
 
 
 Job = tuple[Callable[..., dict], tuple]
@@ -506,8 +556,8 @@ def run_dependent_jobs(jobs: list[Job], follow_ups: Callable[[dict], list[Job]],
 
 
 def run_jobs(args: argparse.Namespace, folder: str) -> list[dict]:
-    """Every seed's pretraining, then its arms, the costliest first."""
-    order = sorted(VARIANTS, key=lambda name: -VARIANTS[name].cost)
+    """Every seed's pretraining, then its arms (`--arms`), the costliest first."""
+    order = sorted(args.arms, key=lambda name: -VARIANTS[name].cost)
 
     def arms(result: dict) -> list[Job]:
         if result["part"] != "pretrain":
@@ -551,6 +601,9 @@ def print_table(title: str, rows: tuple, table: dict) -> None:
     print(f"\n{title}; Δ = paired difference against the source continued (same seed, same batches)")
     print(f"{'arm':<28}{'right after conversion':>24}{'after continuing':>20}{'Δ':>20}")
     for label, name in rows:
+        if name not in table:
+            print(f"{label:<28}{NOT_RUN:>24}")
+            continue
         converted, continued = (runner.cell(values(table, name, key), 4) for key in ("converted", "loss"))
         print(f"{label:<28}{converted:>24}{continued:>20}{signed(paired(table, name, BASELINE)):>20}")
 
@@ -565,10 +618,12 @@ def print_progressive(runs: list[dict]) -> None:
               f"right after growing to n=4 {runner.cell(after, 4)}")  # fmt: skip
 
 
-def below(table: dict, pairs: list[tuple[str, str]], key: str = "loss") -> dict:
+def below(table: dict, pairs: list[tuple[str, str]], key: str = "loss") -> dict | None:
     """`holds`: in every (lower, higher) pair the seed mean of the paired difference of `key` is below 0.
     `within_spread`: some pair's mean difference is no larger than its seeds' sample std, "no difference
-    at this scale" (REPRODUCING rule 3)."""
+    at this scale" (REPRODUCING rule 3). None when a pair's arm was not run."""
+    if any(name not in table for pair in pairs for name in pair):
+        return None
     holds, within = True, False
     for lower, higher in pairs:
         mean, std = runner.mean_std(paired(table, lower, higher, key))
@@ -577,11 +632,13 @@ def below(table: dict, pairs: list[tuple[str, str]], key: str = "loss") -> dict:
     return dict(holds=holds, within_spread=within)
 
 
-def directions(table: dict) -> dict[str, dict]:
-    """The paper's directions on the held-out loss after continuing (issue 18's also after conversion)."""
+def directions(table: dict) -> dict[str, dict | None]:
+    """The paper's directions on the held-out loss after continuing (issue 18's also after conversion);
+    None where an arm one needs was not run."""
     hd2, hd4, expanded_positions = "HD (n=2)", "HD (n=4)", "HD (n=4), expanded positions"
     one_full, all_full = "HD (n=4), 1 full layer", "HD (n=4), all full"
     table_5 = ["HD (n=3)", hd2, "sum (n=2)", "all-token loss (n=2)", BASELINE]
+    at_4 = [hd4, "sum (n=4)", "all-token loss (n=4)", BASELINE]
     verdict = {
         "Table 5: HD(3) < HD(2) < sum < all-token < baseline": below(
             table, list(itertools.pairwise(table_5))
@@ -595,13 +652,17 @@ def directions(table: dict) -> dict[str, dict]:
             table, [(hd4, expanded_positions)], "converted"
         ),
         "issue 18: token < expanded positions, after continuing": below(table, [(hd4, expanded_positions)]),
+        "§4.4: some keeps most (> half) of all-full's gain over the baseline": None,
+        "Table 5 at n=4: HD(4) < sum < all-token < baseline": below(table, list(itertools.pairwise(at_4))),
+        "Table 5 at n=4: every n=4 arm < baseline": below(table, [(name, BASELINE) for name in at_4[:3]]),
     }
-    some_gain = -statistics.fmean(paired(table, hd4, BASELINE))
-    all_gain = -statistics.fmean(paired(table, all_full, BASELINE))
-    # A ratio of two gains: no paired spread to compare it with.
-    verdict["§4.4: some keeps most (> half) of all-full's gain over the baseline"] = dict(
-        holds=all_gain > 0 and some_gain > all_gain / 2, within_spread=False
-    )
+    if hd4 in table and all_full in table:
+        some_gain = -statistics.fmean(paired(table, hd4, BASELINE))
+        all_gain = -statistics.fmean(paired(table, all_full, BASELINE))
+        # A ratio of two gains: no paired spread to compare it with.
+        verdict["§4.4: some keeps most (> half) of all-full's gain over the baseline"] = dict(
+            holds=all_gain > 0 and some_gain > all_gain / 2, within_spread=False
+        )
     return verdict
 
 
@@ -612,16 +673,22 @@ def mean_curve(runs: list[dict], name: str) -> list[float]:
 
 
 def draw(runs: list[dict], path: str) -> bool:
-    """One panel per table: each arm's training LM loss minus the source continued's, over the steps."""
-    plt = runner.pyplot_or_none(path)
+    """One panel per table with an arm run besides the source continued: each arm's training LM loss minus
+    the source continued's, over the steps."""
+    ran = {run["name"] for run in runs if run["part"] == "variant"}
+    panels = {title: rows for title, rows in TABLES.items() if any(name in ran for _, name in rows[1:])}
+    plt = runner.pyplot_or_none(path) if panels else None
     if plt is None:
         return False
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    height = (len(panels) + 1) // 2
+    figure, axes = plt.subplots(height, 2, figsize=(12, 4 * height), squeeze=False)
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
     baseline = mean_curve(runs, BASELINE)
     # The first 10% of the steps (warm-up after conversion) differ by whole nats: the plot starts after.
     start = len(baseline) // 10
-    for axis, (title, rows) in zip(axes.flat, TABLES.items(), strict=True):
-        for label, name in rows:
+    for axis, (title, rows) in zip(axes.flat, panels.items(), strict=False):
+        for label, name in (row for row in rows if row[1] in ran):
             curve = mean_curve(runs, name)
             steps = range(start + 1, len(curve) + 1)
             axis.plot(
@@ -650,7 +717,9 @@ def print_report(args: argparse.Namespace, runs: list[dict], wall: float) -> dic
     print_progressive(runs)
     verdict = directions(table)
     answers = {
-        key: ("yes" if value["holds"] else "no") + (" (within the spread)" if value["within_spread"] else "")
+        key: NOT_RUN
+        if value is None
+        else ("yes" if value["holds"] else "no") + (" (within the spread)" if value["within_spread"] else "")
         for key, value in verdict.items()
     }
     print("\n[directions] " + "; ".join(f"{key}: {answer}" for key, answer in answers.items()))
@@ -689,9 +758,11 @@ def main(argv: list[str] | None = None) -> dict:
     layouts = {
         name: compact_layout(stream_layout(variant.layout, args.layers)) if variant.num_streams > 1 else "-"
         for name, variant in VARIANTS.items()
+        if name in args.arms
     }
     return runner.write_result(
-        args, seeds=list(args.seeds), wall_seconds=wall, runs=runs, directions=verdict, layouts=layouts,
+        args, seeds=list(args.seeds), wall_seconds=wall, runs=runs, arms=list(args.arms), layouts=layouts,
+        directions={key: value for key, value in verdict.items() if value is not None},
         heldout_tokens=data["heldout_tokens"], png=args.png if drawn else None, paper=PAPER,
     )  # fmt: skip
 

@@ -44,6 +44,8 @@ def test_every_arm_is_converted_as_the_paper_describes(tmp_path):
         "HD (n=4), 1 full layer": (4, "final", "token", "iiifiiii"),
         "HD (n=4), all full": (4, "final", "token", "ffffffff"),
         "HD (n=4), expanded positions": (4, "final", "expanded", "iiifiiif"),
+        "all-token loss (n=4)": (4, "all_streams", "token", "iiifiiif"),
+        "sum (n=4)": (4, "sum", "token", "iiifiiif"),
     }
     assert set(expected) | {script.BASELINE} == set(script.VARIANTS)
 
@@ -84,7 +86,7 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         pretrain["pretrained"]
     )
     arms = [run for run in figures["runs"] if run["part"] == "variant"]
-    assert [run["name"] for run in arms] == list(load_script().VARIANTS)
+    assert [run["name"] for run in arms] == list(load_script().DEFAULT_ARMS)
     for run in arms:
         assert len(run["history"]) == figures["args"]["continue_steps"], run["name"]
         losses = [run["converted"], run["heldout"], *(step["lm_loss"] for step in run["history"])]
@@ -173,4 +175,54 @@ def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
         return without_timing(json.loads(path.read_text())["runs"])
 
     assert figures(resumed) == figures(plain)
-    assert len((folder / "results.jsonl").read_text().splitlines()) == 1 + len(load_script().VARIANTS)
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 1 + len(load_script().DEFAULT_ARMS)
+
+
+def test_arms_take_names_or_aliases_always_with_the_baseline_and_a_sweep_of_other_arms_is_refused(
+    tmp_path, capsys
+):
+    """`--arms`: names or aliases, in `VARIANTS`' order, the source continued always among them; the
+    default leaves out the n = 4 supervisions; an unknown name exits 2 naming it and the valid names; the
+    sweep's manifest lists the arms' runs, so a sweep started with other arms is refused."""
+    script = load_script()
+    assert script.parse_args([]).arms == script.DEFAULT_ARMS
+    assert set(script.VARIANTS) - set(script.DEFAULT_ARMS) == {"all-token loss (n=4)", "sum (n=4)"}
+    assert set(script.ALIASES.values()) == set(script.VARIANTS)
+    arms = "all-token-n4,sum-n4,hd-n4,all-token-n2,sum-n2,HD (n=2)"
+    args = script.parse_args(["--arms", arms, "--sweep-dir", str(tmp_path)])
+    assert args.arms == (
+        script.BASELINE, "all-token loss (n=2)", "sum (n=2)", "HD (n=2)", "HD (n=4)", "all-token loss (n=4)",
+        "sum (n=4)",
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as exited:
+        script.parse_args(["--arms", "hd-n2,hd-n8"])
+    assert exited.value.code == 2
+    message = capsys.readouterr().err
+    assert "'hd-n8'" in message and "hd-n4" in message and "sum-n4" in message
+    script.sweep.open_sweep(tmp_path, script.sweep_specs(args))
+    other = script.parse_args(["--arms", "hd-n2,hd-n4", "--sweep-dir", str(tmp_path)])
+    with pytest.raises(script.sweep.SweepError, match="runs"):
+        script.sweep.open_sweep(tmp_path, script.sweep_specs(other))
+
+
+@pytest.mark.slow
+def test_a_quick_run_of_some_arms_runs_those_only_and_says_what_was_not_run(tmp_path):
+    figures_path = tmp_path / "figures.json"
+    command = [sys.executable, str(SCRIPT), "--quick", "--workers", "1", "--arms", "hd-n2,sum-n4"]
+    result = subprocess.run(
+        [*command, "--json", str(figures_path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(figures_path.read_text())
+    names = [run["name"] for run in figures["runs"] if run["part"] == "variant"]
+    assert names == figures["arms"] == ["source continued", "HD (n=2)", "sum (n=4)"]
+    assert set(figures["layouts"]) == set(names)
+    for title in TITLES:
+        assert title in result.stdout, title
+    lines = result.stdout.splitlines()
+    for label in ("all-token loss (n=2)", "n=4 direct", "all full", "all-token loss (n=4)"):
+        (line,) = [line for line in lines if line.startswith(label + " ")]
+        assert line.split()[-2:] == ["not", "run"], line
+    assert "Table 5: every n=2 arm < baseline: not run" in result.stdout
+    assert "§4.3: loss falls with n (n=4 < n=2 < n=1): not run" in result.stdout
+    assert figures["directions"] == {}
