@@ -1,11 +1,16 @@
-"""LSLM against a parameter-matched GPT-2 byte model on CPU: per-byte generation latency, training throughput.
+"""LSLM against a byte baseline (fair decoder or matched GPT-2) on CPU: decode latency, training throughput.
 
 Models (random initialisation, one seed, fp32, sdpa): `LSLMForCausalLM` with `--layers` token, segment
 and decoder layers (default 2,4,2) at widths `--width` (segment encoder) and `--token-width` /
 `--decoder-width`, heads of width 32, MLPs 4x wide, built twice with the same weights, pooling `mean` and
-`hops:3` (pooling has no parameters); and `hf_concept.evaluation.byte_gpt2_baseline` matched to the
-LSLM's parameter count (`match_gpt2_to`, within 3%) at depth `--gpt2-layers`, default the LSLM's total
-layer count: the paper's GPT-2 (Appendix B) has as many layers as its LSLM (18) at the same width.
+`hops:3` (pooling has no parameters); and one baseline, `--baseline`, at depth `--baseline-layers`
+(default the LSLM's total layer count: the paper's GPT-2, Appendix B, has as many layers as its LSLM):
+- "byte" (default; the fair baseline of issue 28): `hf_concept.evaluation.byte_decoder_baseline`, the
+  project's own decoder (SwiGLU, RMSNorm, RoPE) at the segment encoder's width `--width`, heads of width
+  32; matched by shape, not by parameter count.
+- "gpt2": `hf_concept.evaluation.byte_gpt2_baseline` matched to the LSLM's parameter count
+  (`match_gpt2_to`, within 3%) at that depth.
+The outputs name the baseline used: column titles, `baseline_*` JSON keys and a `baseline` field.
 
 Segment lengths. An untrained router's q_t sits near 1/2, so thresholding at 0.5 closes almost every
 byte or almost none, and training samples a boundary at nearly every other byte. The benchmark sets the
@@ -25,21 +30,22 @@ decode and of training are printed too.
    logits processor forces each new byte to be the held-out text's next byte (argmax over a one-hot row),
    so both models write the same natural bytes and the router sees the kind of text it was set on.
    "free": plain greedy with the five special ids suppressed in both models (the untrained decoder's
-   own bytes; its realised boundary rate is printed beside it). Ratio = LSLM per-byte time / GPT-2's;
-   the target is <= 1.0x (the paper, Table 6: 165-212 ms against GPT-2's 212 ms on a V100).
+   own bytes; its realised boundary rate is printed beside it). Ratio = LSLM per-byte time / the
+   baseline's; the target is <= 1.0x (the paper, Table 6: 165-212 ms against GPT-2's 212 ms on a V100).
 2. train: forward + backward of the ELBO (LSLM, training mode: sampled boundaries) and of the LM loss
-   (GPT-2) on the same `--train-batch` x `--train-context` crops of the `--language` train text; bytes per
-   second, ratio LSLM / GPT-2 (above 1: the LSLM trains faster).
+   (baseline) on the same `--train-batch` x `--train-context` crops of the `--language` train text; bytes
+   per second, ratio LSLM / baseline (above 1: the LSLM trains faster).
 3. profile (`--parts profile`): a manual cached decode loop over the forced text, the LSLM's step split
    by timing wrappers around its parts (token encoder step, router, open-segment push, segment close,
-   decoder step, LM head) and the aten ops per step counted with torch.profiler, against GPT-2's step.
+   decoder step, LM head) and the aten ops per step counted with torch.profiler, against the baseline's
+   step.
 
 Absolute milliseconds are printed for information only: the figures are the ratios, measured in the
 same run. `--quick` runs tiny models once (a smoke run).
 
     python benchmarks/bench_lslm.py [--layers 2,4,2] [--width 256] [--token-width 128] [--decoder-width 128]
-        [--gpt2-layers N] [--rate 0.2] [--prompt-bytes 64] [--new-bytes 256] [--repeats 5]
-        [--train-batch 8] [--train-context 256] [--language en] [--parts decode,train,profile]
+        [--baseline byte|gpt2] [--baseline-layers N] [--rate 0.2] [--prompt-bytes 64] [--new-bytes 256]
+        [--repeats 5] [--train-batch 8] [--train-context 256] [--language en] [--parts decode,train,profile]
         [--threads N] [--json PATH] [--seed 0] [--quick]
 """
 
@@ -58,7 +64,12 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_concept.data import LANGUAGES, load_text
-from hf_concept.evaluation import byte_gpt2_baseline, lslm_boundary_probabilities, lslm_config_for
+from hf_concept.evaluation import (
+    byte_decoder_baseline,
+    byte_gpt2_baseline,
+    lslm_boundary_probabilities,
+    lslm_config_for,
+)
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.segment_cache import SegmentCache
@@ -66,6 +77,9 @@ from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, PAD_ID, SEQUENCE_
 
 POOLINGS = ("mean", "hops:3")
 PARTS = ("decode", "train", "profile")
+BASELINES = ("byte", "gpt2")
+# The key of the baseline in the models and profile dicts; `--baseline` says which model it is.
+BASELINE = "baseline"
 TARGET_RATIO = 1.0
 # Standard deviation of the set router's logits on the calibration text: most q_t end up near 0 or 1.
 ROUTER_SPREAD = 8.0
@@ -91,7 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=256, help="segment-encoder width")
     parser.add_argument("--token-width", type=int, default=128)
     parser.add_argument("--decoder-width", type=int, default=128)
-    parser.add_argument("--gpt2-layers", type=int, default=None, help="default: the LSLM's total layers")
+    parser.add_argument("--baseline", default="byte", choices=BASELINES, help="byte: the fair byte decoder")
+    parser.add_argument(
+        "--baseline-layers", "--gpt2-layers", type=int, default=None, help="default: the LSLM's total layers"
+    )
     parser.add_argument("--rate", type=float, default=0.2, help="boundaries per byte the router is set to")
     parser.add_argument("--prompt-bytes", type=int, default=64)
     parser.add_argument("--new-bytes", type=int, default=256)
@@ -136,19 +153,26 @@ def lslm_config(args: argparse.Namespace, pooling: str) -> LSLMConfig:
     )
 
 
+def baseline_model(args: argparse.Namespace, lslm: LSLMForCausalLM) -> torch.nn.Module:
+    """The `--baseline` byte model at depth `--baseline-layers` (default the LSLM's total), sdpa."""
+    torch.manual_seed(args.seed)
+    positions = lslm.config.max_position_embeddings
+    depth = args.baseline_layers or sum(args.layers)
+    if args.baseline == "byte":
+        model = byte_decoder_baseline(depth, args.width, head_dim=HEAD_WIDTH, n_positions=positions)
+    else:
+        model = byte_gpt2_baseline(lslm.num_parameters(), n_layer=depth, n_positions=positions)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
 def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
-    """ "lslm-mean", "lslm-hops:3" (same weights) and "gpt2" (matched parameters), in eval mode."""
+    """ "lslm-mean", "lslm-hops:3" (same weights) and `BASELINE` (the `--baseline` model), in eval mode."""
     models = {}
     for pooling in POOLINGS:
         torch.manual_seed(args.seed)
         models[f"lslm-{pooling}"] = LSLMForCausalLM(lslm_config(args, pooling)).eval()
-    lslm = models[f"lslm-{POOLINGS[0]}"]
-    torch.manual_seed(args.seed)
-    positions = lslm.config.max_position_embeddings
-    depth = args.gpt2_layers or sum(args.layers)
-    gpt2 = byte_gpt2_baseline(lslm.num_parameters(), n_layer=depth, n_positions=positions)
-    gpt2.config._attn_implementation = "sdpa"
-    models["gpt2"] = gpt2.eval()
+    models[BASELINE] = baseline_model(args, models[f"lslm-{POOLINGS[0]}"]).eval()
     for model in models.values():
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = PAD_ID
@@ -179,7 +203,7 @@ def untrained_routers(models: dict) -> dict[str, tuple[torch.Tensor, torch.Tenso
             model.model.router.fc_out.bias.detach().clone(),
         )
         for name, model in models.items()
-        if name != "gpt2"
+        if name != BASELINE
     }
 
 
@@ -190,7 +214,7 @@ def set_routers(
     print and return the settings with the eval-mode boundary rate on other text."""
     settings = {}
     for name, model in models.items():
-        if name == "gpt2":
+        if name == BASELINE:
             continue
         setting = calibrate_router(model, rows, args.rate, untrained[name])
         setting["other_text_rate"] = other_text_rate(model, args)
@@ -327,7 +351,7 @@ def bench_decode(models: dict, args: argparse.Namespace) -> list[dict]:
         with torch.inference_mode():
             seconds = interleaved_medians(calls, args.repeats, f"decode ({mode})")
         for name in models:
-            if name == "gpt2":
+            if name == BASELINE:
                 continue
             rate = realised_rate(models[name], sequences[name], prompt.shape[1])
             rows.append(
@@ -335,8 +359,9 @@ def bench_decode(models: dict, args: argparse.Namespace) -> list[dict]:
                     mode=mode,
                     model=name,
                     ms_per_byte=seconds[name] / args.new_bytes * 1e3,
-                    gpt2_ms_per_byte=seconds["gpt2"] / args.new_bytes * 1e3,
-                    ratio=seconds[name] / seconds["gpt2"],
+                    baseline=args.baseline,
+                    baseline_ms_per_byte=seconds[BASELINE] / args.new_bytes * 1e3,
+                    ratio=seconds[name] / seconds[BASELINE],
                     boundary_rate=rate,
                 )
             )
@@ -381,12 +406,13 @@ def bench_train(models: dict, batch: torch.Tensor, args: argparse.Namespace) -> 
         dict(
             model=name,
             bytes_per_s=processed / seconds[name],
-            gpt2_bytes_per_s=processed / seconds["gpt2"],
-            ratio=seconds["gpt2"] / seconds[name],
+            baseline=args.baseline,
+            baseline_bytes_per_s=processed / seconds[BASELINE],
+            ratio=seconds[BASELINE] / seconds[name],
             boundary_rate=statistics.mean(rates[name]),
         )
         for name in models
-        if name != "gpt2"
+        if name != BASELINE
     ]
 
 
@@ -496,22 +522,26 @@ def lslm_step_profile(model: LSLMForCausalLM, prompt: torch.Tensor, continuation
 
 @torch.inference_mode()
 def bench_profile(models: dict, args: argparse.Namespace) -> dict:
-    """Per-step milliseconds of each LSLM part and aten ops per step; GPT-2's step timed just before and
-    just after each LSLM's (their mean is the LSLM's reference: load changes between loops)."""
+    """Per-step milliseconds of each LSLM part and aten ops per step; the baseline's step timed just before
+    and just after each LSLM's (their mean is the LSLM's reference: load changes between loops)."""
     prompt, continuation = decode_inputs(args)
-    gpt2 = models["gpt2"]
+    baseline = models[BASELINE]
     steps = len(continuation)
-    cached_loop(gpt2, prompt, continuation)
+    cached_loop(baseline, prompt, continuation)
     figures = {
-        "gpt2": dict(aten_ops=aten_ops_per_step(gpt2, prompt, continuation), n_layer=gpt2.config.n_layer)
+        BASELINE: dict(
+            name=args.baseline,
+            aten_ops=aten_ops_per_step(baseline, prompt, continuation),
+            n_layer=baseline.config.num_hidden_layers,
+        )
     }
     for name, model in models.items():
-        if name == "gpt2":
+        if name == BASELINE:
             continue
-        before = cached_loop(gpt2, prompt, continuation)
+        before = cached_loop(baseline, prompt, continuation)
         figures[name] = lslm_step_profile(model, prompt, continuation)
-        after = cached_loop(gpt2, prompt, continuation)
-        figures[name]["gpt2_step_ms"] = (before + after) / 2 / steps * 1e3
+        after = cached_loop(baseline, prompt, continuation)
+        figures[name]["baseline_step_ms"] = (before + after) / 2 / steps * 1e3
     return figures
 
 
@@ -519,58 +549,64 @@ def bench_profile(models: dict, args: argparse.Namespace) -> dict:
 
 
 def print_setup(models: dict, args: argparse.Namespace) -> None:
-    gpt2, lslm = models["gpt2"], models[f"lslm-{POOLINGS[0]}"]
-    config = lslm.config
+    baseline, lslm = models[BASELINE], models[f"lslm-{POOLINGS[0]}"]
+    config, shape = lslm.config, baseline.config
     print(
         f"LSLM: layers token/segment/decoder {args.layers}, widths {config.token_hidden_size}/"
         f"{config.hidden_size}/{config.decoder_hidden_size}, {lslm.num_parameters()} parameters; "
-        f"GPT-2: n_layer={gpt2.config.n_layer} n_embd={gpt2.config.n_embd} n_head={gpt2.config.n_head}, "
-        f"{gpt2.num_parameters()} parameters; fp32 sdpa, threads={torch.get_num_threads()}, "
-        f"torch={torch.__version__}, load average {_load()}"
+        f"baseline {args.baseline} ({type(baseline).__name__}): layers={shape.num_hidden_layers} "
+        f"width={shape.hidden_size} heads={shape.num_attention_heads}, {baseline.num_parameters()} "
+        f"parameters; fp32 sdpa, threads={torch.get_num_threads()}, torch={torch.__version__}, "
+        f"load average {_load()}"
     )
 
 
 def print_decode(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n[decode: greedy generate with the cache, batch 1, {args.new_bytes} new bytes after "
-        f"{args.prompt_bytes} prompt bytes ({args.language}); per-byte time, median of {args.repeats}]"
+        f"{args.prompt_bytes} prompt bytes ({args.language}); per-byte time, median of {args.repeats}; "
+        f"baseline {args.baseline}]"
     )
-    print(f"{'mode':<5} {'model':<12} {'ms/byte':>8} {'gpt2 ms':>8} {'x gpt2':>7} {'rate':>6}  target")
+    name = args.baseline
+    print(f"{'mode':<5} {'model':<12} {'ms/byte':>8} {name + ' ms':>8} {'x ' + name:>7} {'rate':>6}  target")
     for row in rows:
         verdict = "met" if row["ratio"] <= TARGET_RATIO else "NOT met"
         print(
-            f"{row['mode']:<5} {row['model']:<12} {row['ms_per_byte']:>8.2f} {row['gpt2_ms_per_byte']:>8.2f} "
-            f"{row['ratio']:>7.2f} {row['boundary_rate']:>6.3f}  <= {TARGET_RATIO}x: {verdict}"
+            f"{row['mode']:<5} {row['model']:<12} {row['ms_per_byte']:>8.2f} "
+            f"{row['baseline_ms_per_byte']:>8.2f} {row['ratio']:>7.2f} {row['boundary_rate']:>6.3f}  "
+            f"<= {TARGET_RATIO}x: {verdict}"
         )
 
 
 def print_train(rows: list[dict], args: argparse.Namespace) -> None:
+    name = args.baseline
     print(
         f"\n[training: forward + backward, batch {args.train_batch} x {args.train_context} bytes; "
-        "bytes/s, ratio LSLM / GPT-2 (above 1: faster)]"
+        f"bytes/s, ratio LSLM / {name} (above 1: faster)]"
     )
-    print(f"{'model':<12} {'bytes/s':>9} {'gpt2 B/s':>9} {'x gpt2':>7} {'rate':>6}")
+    print(f"{'model':<12} {'bytes/s':>9} {name + ' B/s':>9} {'x ' + name:>7} {'rate':>6}")
     for row in rows:
         print(
-            f"{row['model']:<12} {row['bytes_per_s']:>9.0f} {row['gpt2_bytes_per_s']:>9.0f} "
+            f"{row['model']:<12} {row['bytes_per_s']:>9.0f} {row['baseline_bytes_per_s']:>9.0f} "
             f"{row['ratio']:>7.2f} {row['boundary_rate']:>6.3f}"
         )
 
 
 def print_profile(figures: dict) -> None:
-    gpt2 = figures["gpt2"]
+    baseline = figures[BASELINE]
+    name = baseline["name"]
     print(
         "\n[profile: cached decode loop over the forced text, ms per step (timing wrappers) and aten ops "
-        f"per step; GPT-2 ({gpt2['n_layer']} layers) timed before and after each LSLM, "
-        f"{gpt2['aten_ops']:.0f} aten ops per step]"
+        f"per step; baseline {name} ({baseline['n_layer']} layers) timed before and after each LSLM, "
+        f"{baseline['aten_ops']:.0f} aten ops per step]"
     )
-    for name, entry in figures.items():
-        if name == "gpt2":
+    for model, entry in figures.items():
+        if model == BASELINE:
             continue
-        reference = entry["gpt2_step_ms"]
+        reference = entry["baseline_step_ms"]
         print(
-            f"{name}: step {entry['step_ms']:.2f} ms, GPT-2 {reference:.2f} ms = "
-            f"{reference / gpt2['n_layer']:.2f} ms per layer ({entry['step_ms'] / reference:.2f}x); "
+            f"{model}: step {entry['step_ms']:.2f} ms, {name} {reference:.2f} ms = "
+            f"{reference / baseline['n_layer']:.2f} ms per layer ({entry['step_ms'] / reference:.2f}x); "
             f"{entry['aten_ops']:.0f} aten ops; {entry['closes_per_step']:.3f} segment closes per step at "
             f"{entry['ms_per_close']:.2f} ms each"
         )

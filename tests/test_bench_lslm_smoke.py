@@ -25,16 +25,22 @@ def load_script():
     return module
 
 
-def test_quick_run_prints_every_part_with_positive_ratios(tmp_path):
+@pytest.mark.parametrize("baseline", ["byte", "gpt2"])
+def test_quick_run_prints_every_part_with_positive_ratios(tmp_path, baseline):
     figures_path = tmp_path / "figures.json"
     command = [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--parts", "decode,train"]
     result = subprocess.run(
-        [*command, "--json", str(figures_path)], capture_output=True, text=True, timeout=120, check=False
-    )
+        [*command, "--baseline", baseline, "--json", str(figures_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     printed = result.stdout
     for title in ("[decode: greedy generate", "[training: forward + backward"):
         assert printed.count(title) == 1, title
+    # The outputs name the baseline that ran, never another.
+    other = {"byte": "gpt2", "gpt2": "byte"}[baseline]
+    assert f"baseline {baseline} (" in printed
+    assert f"x {baseline}" in printed and f"x {other}" not in printed
     assert printed.count("router of lslm-") == 4
     figures = json.loads(figures_path.read_text())
     decode = figures["decode"]
@@ -44,16 +50,31 @@ def test_quick_run_prints_every_part_with_positive_ratios(tmp_path):
     assert all(
         row["ratio"] > 0 and row["ms_per_byte"] > 0 and 0 <= row["boundary_rate"] <= 1 for row in decode
     )
+    assert all(row["baseline"] == baseline and row["baseline_ms_per_byte"] > 0 for row in decode)
     assert printed.count("<= 1.0x: ") == 4
     train = figures["train"]
     assert [row["model"] for row in train] == ["lslm-mean", "lslm-hops:3"]
     assert all(row["ratio"] > 0 and row["bytes_per_s"] > 0 for row in train)
+    assert all(row["baseline"] == baseline and row["baseline_bytes_per_s"] > 0 for row in train)
     assert set(figures["routers"]) == {"decode", "train"}
     for part, settings in figures["routers"].items():
         assert set(settings) == {"lslm-mean", "lslm-hops:3"}
         for name, setting in settings.items():
             assert setting["rate"] == pytest.approx(0.2, abs=0.02), (part, name)
             assert 0 <= setting["other_text_rate"] <= 1, (part, name)
+
+
+def test_baseline_choice_builds_the_named_model():
+    bench = load_script()
+    byte = bench.build_models(bench.parse_args(["--quick"]))[bench.BASELINE]
+    gpt2 = bench.build_models(bench.parse_args(["--quick", "--baseline", "gpt2"]))[bench.BASELINE]
+    # byte: the project's decoder at the segment encoder's width and the LSLM's total depth (1 + 1 + 1).
+    assert type(byte).__name__ == "PlainDecoderForCausalLM"
+    assert (byte.config.num_hidden_layers, byte.config.hidden_size) == (3, bench.QUICK["width"])
+    assert byte.config._attn_implementation == gpt2.config._attn_implementation == "sdpa"
+    assert type(gpt2).__name__ == "GPT2LMHeadModel" and gpt2.config.n_layer == 3
+    deeper = bench.parse_args(["--quick", "--baseline-layers", "5"])
+    assert bench.build_models(deeper)[bench.BASELINE].config.num_hidden_layers == 5
 
 
 def test_router_setting_forced_decoding_and_timers():
@@ -78,7 +99,7 @@ def test_router_setting_forced_decoding_and_timers():
     assert opened == pytest.approx(0.25, abs=0.01)
     # Forced decoding writes exactly the continuation, whichever model.
     prompt, continuation = bench.decode_inputs(args)
-    for candidate in (model, models["gpt2"]):
+    for candidate in (model, models[bench.BASELINE]):
         _, sequences = bench.generate_call(candidate, prompt, args.new_bytes, continuation)()
         assert torch.equal(sequences[0, prompt.shape[1] :], continuation)
     # Timing wrappers count while active and leave nothing behind.
@@ -96,10 +117,12 @@ def test_router_setting_forced_decoding_and_timers():
     # The profile part: every LSLM part timed, the step's parts inside its total.
     profile = bench.bench_profile(models, args)
     bench.print_profile(profile)
+    assert profile[bench.BASELINE]["name"] == "byte"
     for name in ("lslm-mean", "lslm-hops:3"):
         entry = profile[name]
         assert list(entry["parts"])[:5] == list(bench.STEP_PARTS)
         assert all(value > 0 for value in entry["parts"].values()), entry["parts"]
         assert sum(entry["parts"].values()) == pytest.approx(entry["step_ms"], rel=1e-6)
         assert entry["closes_per_step"] > 0 and entry["ms_per_close"] > 0
-        assert entry["aten_ops"] > profile["gpt2"]["aten_ops"] > 0
+        assert entry["aten_ops"] > profile[bench.BASELINE]["aten_ops"] > 0
+        assert entry["baseline_step_ms"] > 0
