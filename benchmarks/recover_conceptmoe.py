@@ -87,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--source", help="the source checkpoint folder (safetensors)")
     parser.add_argument("--corpus", help="a build-corpus DatasetDict folder")
     parser.add_argument("--ratio", type=float, default=2.0, help="target tokens per concept")
+    parser.add_argument(
+        "--aux-loss-weight",
+        type=float,
+        default=None,
+        help="λ of the ratio loss during recovery (default: the conversion's, 0.03); at 0.03 the router gave "
+        "up compression within a few steps on SmolLM2 (1.0-1.1 tokens per concept at R = 2)",
+    )
     parser.add_argument("--train", choices=TRAIN_MODES, default="all")
     parser.add_argument("--minutes", type=float, default=60.0, help="training wall time, eval excluded")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps too")
@@ -297,7 +304,10 @@ def converted_model(source: Path, folder: Path, args: argparse.Namespace) -> Con
         seed=args.seed,
         dtype="float32",
     )
-    return ConceptMoEForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = ConceptMoEForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if args.aux_loss_weight is not None:
+        model.config.aux_loss_weight = args.aux_loss_weight
+    return model
 
 
 def save_model(model: nn.Module, tokenizer, path: Path) -> None:

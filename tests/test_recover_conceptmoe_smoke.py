@@ -73,3 +73,14 @@ def test_training_windows_are_disjoint_and_balanced():
     words = [id_ for id_ in seen if id_ != -1]
     assert len(words) == len(set(words))
     assert batches.tokens == len(seen) > 0.8 * 6 * 41
+
+
+def test_aux_loss_weight_overrides_the_conversion_default(tmp_path):
+    script = load_script()
+    source = script.tiny_source(tmp_path / "source")
+    weights = {}
+    for name, argv in (("set", ["--aux-loss-weight", "1.5"]), ("default", [])):
+        args = script.parse_args(["--quick", *argv])
+        model = script.converted_model(source, tmp_path / name, args)
+        weights[name] = model.config.aux_loss_weight
+    assert weights == {"set": 1.5, "default": 0.03}
