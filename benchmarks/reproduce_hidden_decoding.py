@@ -26,6 +26,8 @@ split and saved. Then every arm continues from it for `--continue-steps` on the 
 Every arm converts with the converter's lossless default (token-block cross-stream layers, token
 positions), under which a "sum" or "all_streams" loss gives every stream the same gradient: those arms
 stay their source (the model warns; REPRODUCTION.md, the re-run with the lossless conversion).
+`--conversion-form paper` converts every arm in the paper's form instead (causal cross-stream mask,
+expanded positions: step 0 is no longer the source, and the streams can differ under any loss).
 Held-out LM loss (nats per token, from the logits, i.e. the final stream's prediction, or the sum's) on
 the corpus's `validation` split in non-overlapping windows of `--context` tokens, right after conversion
 (the source's own loss for the source) and after continuing; the progressive arm also just before and
@@ -101,6 +103,11 @@ from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
 HEAD_WIDTH = 16
+# `--conversion-form` -> the converter's cross-stream options.
+CONVERSION_FORMS = {
+    "lossless": dict(cross_stream_mask="token_block", cross_stream_positions="token"),
+    "paper": dict(cross_stream_mask="causal", cross_stream_positions="expanded"),
+}
 BASELINE = "source continued"
 CONTINUATION_SEED = 1000
 NOT_RUN = "not run"
@@ -222,6 +229,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--arms", default=None, help="comma-separated arms to run besides the source continued (always "
         f"run), by name or alias ({aliases}); default all but {' and '.join(OPT_IN)}",
     )  # fmt: skip
+    parser.add_argument(
+        "--conversion-form", choices=tuple(CONVERSION_FORMS), default="lossless",
+        help="how every arm is converted: 'lossless' (the converter's default: cross-stream attention by "
+        "token block, token positions; step 0 is the source, and sum / all-token losses leave the streams "
+        "copies) or 'paper' (causal cross-stream mask, expanded positions, as the paper builds it)",
+    )  # fmt: skip
     runner.add_run_flags(parser)
     sweep.add_sweep_flags(parser)
     corpus_data.add_corpus_flags(parser)
@@ -289,7 +302,7 @@ def convert_variant(args: argparse.Namespace, name: str, source: Path, folder: P
     path = convert_to_hidden_decoding(
         source, folder, num_streams=variant.num_streams,
         stream_attention_layout=stream_layout(variant.layout, args.layers),
-        intra_stream_positions=variant.positions,
+        intra_stream_positions=variant.positions, **CONVERSION_FORMS[args.conversion_form],
     )  # fmt: skip
     return HiddenDecodingForCausalLM.from_pretrained(
         path, dtype=torch.float32, stream_supervision=variant.supervision
@@ -517,6 +530,8 @@ def run_spec(args: argparse.Namespace, arm: str, seed: int) -> sweep.RunSpec:
     if arm != "pretrain":
         variant = VARIANTS[arm]._asdict()
         settings.update(continue_steps=args.continue_steps, continue_lr=args.continue_lr, variant=variant)
+        if args.conversion_form != "lossless":  # recorded only when set, so earlier sweeps still resume
+            settings["conversion_form"] = args.conversion_form
     return sweep.RunSpec("hidden-decoding", arm, seed, settings)
 
 

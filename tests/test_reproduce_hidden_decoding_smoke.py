@@ -72,6 +72,22 @@ def test_every_arm_is_converted_as_the_paper_describes(tmp_path):
         script.parse_args(["--layers", "4"])
 
 
+def test_conversion_form_paper_converts_every_arm_in_the_papers_form(tmp_path):
+    """`--conversion-form paper` (causal cross-stream mask, expanded positions): the form in which sum and
+    all-token losses can make the streams differ; the default stays the lossless form and the sweep
+    manifest of a default run is unchanged."""
+    script = load_script()
+    args = script.parse_args(["--width", "32", "--context", "16", "--conversion-form", "paper"])
+    script.llama_source(args, 0, 50, 0).save_pretrained(tmp_path / "source")
+    config = script.convert_variant(args, "sum (n=2)", tmp_path / "source", tmp_path / "sum").config
+    assert (config.cross_stream_mask, config.cross_stream_positions) == ("causal", "expanded")
+    default = script.parse_args(["--width", "32", "--context", "16"])
+    config = script.convert_variant(default, "sum (n=2)", tmp_path / "source", tmp_path / "plain").config
+    assert (config.cross_stream_mask, config.cross_stream_positions) == ("token_block", "token")
+    assert "conversion_form" not in script.run_spec(default, "sum (n=2)", 0).settings
+    assert script.run_spec(args, "sum (n=2)", 0).settings["conversion_form"] == "paper"
+
+
 @pytest.mark.slow
 def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
     figures_path = tmp_path / "figures.json"
