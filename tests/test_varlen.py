@@ -9,6 +9,7 @@ kernel itself against the reference and each family's varlen path against sdpa a
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -254,6 +255,21 @@ def test_it_is_registered_the_transformers_way():
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     assert VARLEN_ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def test_a_remote_code_copy_of_the_module_leaves_the_first_registration(monkeypatch):
+    """A checkpoint loaded with trust_remote_code brings its own copy of varlen.py (under
+    transformers_modules): importing it must not re-point the registry, or patches of this module's
+    kernel (and the tests below, when they run after such a load) stop taking effect."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("remote_copy_of_varlen", varlen.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    # Registered while it runs, as an import would (its dataclasses look their module up).
+    monkeypatch.setitem(sys.modules, spec.name, copy)
+    spec.loader.exec_module(copy)
+    assert copy.varlen_attention_forward is not varlen_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS[VARLEN_ATTENTION] is varlen_attention_forward
 
 
 FAMILY_CASES = {

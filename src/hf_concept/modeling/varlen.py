@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -474,5 +474,10 @@ def varlen_attention_forward(
     return attend_packed(kernel, query, key, value, layout, scaling), None
 
 
-AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)
+# The first import registers: a checkpoint's remote-code copy of this module, loaded later in the same
+# process (trust_remote_code), finds the name taken and leaves it, so the registry keeps pointing at the
+# module that was imported first (whose kernel lookup tests and users may patch).
+if VARLEN_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+if VARLEN_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+    AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)
