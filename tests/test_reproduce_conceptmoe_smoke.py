@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sweeps import kill_at_first_checkpoint
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_conceptmoe.py"
 TITLES = ("[compute]", "[§4.5]", "[§4.3]", "[directions]", "total wall time")
 
@@ -115,23 +117,12 @@ def test_the_checkpointable_trainer_takes_the_shared_loops_steps():
 def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
     """`--sweep-dir`: killed with SIGKILL after the first checkpoint (CT's pretraining), started again, the
     sweep resumes it, runs the rest, and gives every figure of a run without a sweep."""
-    import signal
-    import time
-
     plain = tmp_path / "plain.json"
     command = [sys.executable, str(SCRIPT), "--quick", "--workers", "1"]
     assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=300).returncode == 0
     folder = tmp_path / "sweep"
     swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
-    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while (
-        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
-    ):
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
+    kill_at_first_checkpoint(swept, folder, timeout=300)
     # Killed in CT's pretraining (the first run with one worker), at a checkpoint short of its end.
     assert not (folder / "results.jsonl").exists()
     status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sweeps import kill_at_first_checkpoint
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_dlcm.py"
 TITLES = ("[Figure 8]", "[Table 4]", "[§8.3]", "[directions]", "total wall time")
 
@@ -65,23 +67,12 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
 def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
     """`--sweep-dir`: killed with SIGKILL after the first checkpoint, started again, the sweep resumes
     and gives every figure of a run without a sweep; `--status` shows the run in between."""
-    import signal
-    import time
-
     command = [sys.executable, str(SCRIPT), "--quick", "--threads", "1"]
     plain = tmp_path / "plain.json"
     assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=120).returncode == 0
     folder = tmp_path / "sweep"
     swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
-    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while (
-        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
-    ):
-        time.sleep(0.005)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL and not (folder / "results.jsonl").exists()
+    kill_at_first_checkpoint(swept, folder, timeout=120)
     status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
     assert (
         "running  dlcm/learned-global/seed0" in status.stdout and "0 done, 1 running, 2 left" in status.stdout

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.sweeps import kill_at_first_checkpoint
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_hidden_decoding.py"
 TITLES = ("[Table 5]", "[§4.3]", "[§4.4]", "[issue 18.1]", "[directions]", "total wall time")
 
@@ -165,23 +167,12 @@ def test_the_progressive_arm_killed_after_its_expansion_resumes_to_the_uninterru
 def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
     """`--sweep-dir`: killed with SIGKILL after the first checkpoint (the source's pretraining), started
     again, the sweep resumes it, runs every arm, and gives every figure of a run without a sweep."""
-    import signal
-    import time
-
     command = [sys.executable, str(SCRIPT), "--quick", "--workers", "1", "--threads", "1"]
     plain = tmp_path / "plain.json"
     assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=300).returncode == 0
     folder = tmp_path / "sweep"
     swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
-    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while (
-        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
-    ):
-        time.sleep(0.005)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL and not (folder / "results.jsonl").exists()
+    kill_at_first_checkpoint(swept, folder, timeout=300)
     status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
     assert "running  hidden-decoding/pretrain/seed0" in status.stdout and " left" in status.stdout
     resumed = tmp_path / "resumed.json"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sweeps import kill_at_first_checkpoint
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_lslm.py"
 MODELS = ("gpt2", "byte", "lslm", "dtp")
 LANGUAGES = ("en", "zh", "ja")
@@ -127,24 +129,13 @@ def test_the_checkpointable_trainer_takes_the_shared_loops_steps(name):
 def test_a_killed_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
     """`--sweep-dir`: killed with SIGKILL after the first checkpoint, started again, the sweep resumes
     and gives every figure of a run without a sweep; `--status` shows the run in between."""
-    import signal
-    import time
-
     sizes = ["--seeds", "0", "--steps", "30", "--width", "32", "--layers", "1,1,1", "--context", "64"]
     command = [sys.executable, str(SCRIPT), *sizes, "--batch-size", "4", "--eval-bytes", "512"]
     plain = tmp_path / "plain.json"
     assert subprocess.run([*command, "--json", str(plain)], capture_output=True, timeout=300).returncode == 0
     folder = tmp_path / "sweep"
     swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
-    process = subprocess.Popen(swept, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while (
-        not list(folder.glob("checkpoints/*.json")) and process.poll() is None and time.monotonic() < deadline
-    ):
-        time.sleep(0.005)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL and not (folder / "results.jsonl").exists()
+    kill_at_first_checkpoint(swept, folder, timeout=120)
     status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
     assert "running  lslm/gpt2/seed0" in status.stdout and "0 done, 1 running, 3 left" in status.stdout
     resumed = tmp_path / "resumed.json"
