@@ -20,7 +20,6 @@ from hf_concept.modeling.segment_estimators import (
     straight_through_ends,
     straight_through_pool_weights,
     straight_through_target_losses,
-    weighted_segment_means,
 )
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, ByteTokenizer
 from hf_concept.reference.routing import (
@@ -120,7 +119,7 @@ def test_pooling_weights_are_the_paper_pooling_matrix_straight_through():
     states = torch.randn(2, 9, 5)
     weights = straight_through_pool_weights(straight, mask)
     assert torch.equal(weights, mask.float())
-    means = weighted_segment_means(states, weights, index, num_segments)
+    means, _ = pool_concepts(states, opens, mask, "mean", weights)
     hard, _ = pool_concepts(states, opens, mask, "mean")
     torch.testing.assert_close(means, hard, atol=1e-6, rtol=0)
     probe = torch.randn_like(means)

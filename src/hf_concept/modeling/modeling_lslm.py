@@ -112,7 +112,6 @@ from .segment_cache import RaggedStore, SegmentCache
 from .segment_estimators import (
     straight_through_ends,
     straight_through_pool_weights,
-    weighted_segment_means,
 )
 
 INPUTS_EMBEDS_MESSAGE = "LSLM reads byte ids: inputs_embeds is not supported, pass input_ids"
@@ -387,21 +386,15 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             # Each byte enters its segment scaled by its decision's confidence (value 1): the LM loss
             # reaches the router at every byte, closing or not (`routing.decision_confidence`).
             token_states = token_states * segmentation.confidence[..., None].to(token_states.dtype)
-        pooled, valid = pool_concepts(token_states, segmentation.opens, view.mask, self.config.pooling)
-        num_segments = pooled.shape[1]
+        weights = None
         if segmentation.straight_ends is not None:
-            # LSLM §2.6: the hard ends pass their gradient straight through into the pooling matrix;
-            # the weights are exactly 1, so the pooled values are those above.
+            # LSLM §2.6: the hard ends pass their gradient straight through into the pooling matrix
+            # (weights of value exactly 1, so the pooled values are the hard ones).
             weights = straight_through_pool_weights(segmentation.straight_ends, view.mask)
-            if self.config.pooling == "mean":
-                pooled = weighted_segment_means(token_states, weights, segmentation.index, num_segments)
-            else:
-                pooled, _ = pool_concepts(
-                    token_states * weights[..., None].to(token_states.dtype),
-                    segmentation.opens,
-                    view.mask,
-                    self.config.pooling,
-                )
+        pooled, valid = pool_concepts(
+            token_states, segmentation.opens, view.mask, self.config.pooling, weights
+        )
+        num_segments = pooled.shape[1]
         if self.segment_in_proj is not None:
             pooled = self.segment_in_proj(pooled)
         segment_documents = torch.zeros_like(valid, dtype=torch.long)

@@ -123,7 +123,11 @@ def _hops_index(
 
 
 def pool_concepts(
-    token_states: torch.Tensor, boundaries: torch.Tensor, mask: torch.Tensor, method: str
+    token_states: torch.Tensor,
+    boundaries: torch.Tensor,
+    mask: torch.Tensor,
+    method: str,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool token states into left-aligned concepts.
 
@@ -132,6 +136,10 @@ def pool_concepts(
         boundaries: (B, L) bool, True where a token opens a chunk.
         mask: (B, L) bool, real tokens.
         method: "first", "sum", "mean" or "hops:N".
+        weights: optional (B, L) weight of each token in its chunk (default 1; "first" takes none):
+            sums are weighted and "mean" divides by the chunk's total weight, as dynamic pooling's
+            normalised matrix does (LSLM Figure 3; `segment_estimators.straight_through_pool_weights`
+            gives weights of value 1 whose gradient reaches the boundary decisions).
 
     Returns:
         concept_states (B, C, D), zeros on empty slots, and concept_mask (B, C) bool.
@@ -148,6 +156,8 @@ def pool_concepts(
     num_concepts = int(counts.max()) if counts.numel() else 0
     concept_mask = concept_mask_from_counts(counts, num_concepts)
     if kind == "first":
+        if weights is not None:
+            raise ValueError("pooling 'first' takes no token weights")
         opening = _opening_positions(boundaries.bool() & mask, num_concepts)
         width = token_states.shape[-1]
         concept_states = torch.gather(token_states, 1, opening.unsqueeze(-1).expand(-1, -1, width))
@@ -158,9 +168,13 @@ def pool_concepts(
     accumulate = (
         torch.float32 if token_states.dtype in (torch.float16, torch.bfloat16) else token_states.dtype
     )
-    concept_states = _scatter_to_slots(index, num_concepts, token_states.to(accumulate))
+    counted = mask.to(accumulate) if weights is None else weights.to(accumulate) * mask
+    values = token_states.to(accumulate)
+    if weights is not None:
+        values = values * counted.unsqueeze(-1)
+    concept_states = _scatter_to_slots(index, num_concepts, values)
     if kind == "mean":
-        lengths = _scatter_to_slots(index, num_concepts, mask.to(accumulate).unsqueeze(-1))
+        lengths = _scatter_to_slots(index, num_concepts, counted.unsqueeze(-1))
         concept_states = concept_states / lengths.clamp(min=1)
     return concept_states.to(token_states.dtype), concept_mask
 

@@ -52,24 +52,6 @@ def straight_through_pool_weights(straight_ends: torch.Tensor, mask: torch.Tenso
     return weights * mask
 
 
-def weighted_segment_means(
-    token_states: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, num_segments: int
-) -> torch.Tensor:
-    """(B, T, D) states, (B, T) weights, (B, T) segment index (-1: none) -> (B, M, D) Σ w·h / Σ w per
-    segment (zeros for empty slots); accumulated in float32 for half-precision states."""
-    accumulate = torch.promote_types(token_states.dtype, torch.float32)
-    batch, _, width = token_states.shape
-    slot = torch.where(index >= 0, index, num_segments)  # -1 -> a sink slot, dropped
-    weights = weights.to(accumulate) * (index >= 0)
-    sums = token_states.new_zeros((batch, num_segments + 1, width), dtype=accumulate)
-    sums.scatter_add_(
-        1, slot[..., None].expand(-1, -1, width), token_states.to(accumulate) * weights[..., None]
-    )
-    totals = weights.new_zeros((batch, num_segments + 1)).scatter_add(1, slot, weights)
-    means = sums[:, :num_segments] / totals[:, :num_segments, None].clamp(min=1e-6)
-    return means.to(token_states.dtype)
-
-
 def beta_parameters(prior_mean: float, concentration: float) -> tuple[float, float]:
     """(a, b) of the Beta prior with mean a / (a + b) = `prior_mean` and a + b = `concentration`."""
     if not 0 < prior_mean < 1 or not concentration > 0:
