@@ -289,12 +289,13 @@ def optimizer_step(
     return outputs
 
 
-def save_whole(model: torch.nn.Module, path: Path) -> None:
-    """`model.save_pretrained(path)` through a staging folder renamed into place: a kill leaves no
-    half-saved source where a later run would load it."""
+def save_whole(model: torch.nn.Module, path: Path, *companions: Any) -> None:
+    """`model.save_pretrained(path)` (and each companion's, a tokenizer for instance) through a staging
+    folder renamed into place: a kill leaves no half-saved source where a later run would load it."""
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
+    for saved in (model, *companions):
+        saved.save_pretrained(staging)
     # A copy saved before a kill that came before its run's result line: this one is the same.
     shutil.rmtree(path, ignore_errors=True)
     os.replace(staging, path)

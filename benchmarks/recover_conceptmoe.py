@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
-import os
-import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ from hf_concept.utils import eval_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import eval_bits_per_byte as runner
 from corpus_data import heldout_texts
 
 PROMPTS = (
@@ -314,12 +313,7 @@ def save_model(model: nn.Module, tokenizer, path: Path) -> None:
     """Model (LoRA merged first) and tokenizer saved into a staging folder renamed into place."""
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(staging, path)
+    runner.save_whole(model, path, tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------- runs
