@@ -101,17 +101,22 @@ def baseline_model(args: argparse.Namespace) -> torch.nn.Module:
     )
 
 
-def train(model, args, language, rng: random.Random, interleave: int | None) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 10)
+def lr_factor(steps: int):
+    """The LR multiplier per step: 10% linear warm-up, then cosine down to 10%."""
+    warmup = max(1, steps // 10)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, args.steps - warmup)
+        progress = (step - warmup) / max(1, steps - warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
+
+
+def train(model, args, language, rng: random.Random, interleave: int | None) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args.steps))
     model.train()
     losses = []
     for step in range(args.steps):

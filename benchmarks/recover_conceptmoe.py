@@ -50,6 +50,7 @@ from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
 from hf_concept.evaluation import bits_per_byte
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEModel
 from hf_concept.training.data import load_saved_dataset
+from hf_concept.training.ratio_hold import RatioHold
 from hf_concept.training.sweep import atomic_write_json
 from hf_concept.utils import eval_mode
 
@@ -92,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="λ of the ratio loss during recovery (default: the conversion's, 0.03); at 0.03 the router gave "
         "up compression within a few steps on SmolLM2 (1.0-1.1 tokens per concept at R = 2)",
+    )
+    parser.add_argument(
+        "--hold-ratio",
+        action="store_true",
+        help="hold the realised tokens per concept at --ratio by recalibrating the router's threshold after "
+        "every step (hf_concept.training.ratio_hold) instead of leaving it to the ratio loss",
     )
     parser.add_argument("--train", choices=TRAIN_MODES, default="all")
     parser.add_argument("--minutes", type=float, default=60.0, help="training wall time, eval excluded")
@@ -350,9 +357,11 @@ class Run:
         self.write()
 
 
-def train(model: nn.Module, tokenizer, data: TrainBatches, texts: dict, run: Run) -> int:
-    """Train until the time budget, --max-steps or the data run out, evaluating on schedule; returns the
-    number of steps."""
+def train(
+    model: nn.Module, tokenizer, data: TrainBatches, texts: dict, run: Run, hold: RatioHold | None
+) -> int:
+    """Train until the time budget, --max-steps or the data run out, evaluating on schedule (with `hold`,
+    the router's threshold recalibrated after every step); returns the number of steps."""
     args = run.args
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -369,6 +378,8 @@ def train(model: nn.Module, tokenizer, data: TrainBatches, texts: dict, run: Run
             break
         began = time.perf_counter()
         figures = training_step(model, optimizer, batch)
+        if hold is not None:
+            figures["threshold"] = hold.update()
         warmup.step()
         step += 1
         seconds = time.perf_counter() - began
@@ -425,7 +436,11 @@ def recover(source: Path, corpus: Path, scratch: Path, run: Run) -> dict:
     )
     run.evaluate(model, tokenizer, texts, 0, 0)
     data = TrainBatches(splits["train"], tokenizer, args.context, args.batch_size)
-    steps = train(model, tokenizer, data, texts, run)
+    hold = RatioHold(model, args.ratio) if args.hold_ratio else None
+    steps = train(model, tokenizer, data, texts, run, hold)
+    if hold is not None:
+        hold.remove()
+        run.record["threshold"] = concept_model(model).config.boundary_threshold
     if not run.record["curve"] or run.record["curve"][-1]["step"] != steps:
         run.evaluate(model, tokenizer, texts, steps, data.tokens)
     run.record["answers"]["after"] = answers(model, tokenizer, args.answer_tokens)

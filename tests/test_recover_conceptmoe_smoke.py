@@ -84,3 +84,12 @@ def test_aux_loss_weight_overrides_the_conversion_default(tmp_path):
         model = script.converted_model(source, tmp_path / name, args)
         weights[name] = model.config.aux_loss_weight
     assert weights == {"set": 1.5, "default": 0.03}
+
+
+@pytest.mark.slow
+def test_quick_run_holds_the_ratio_by_the_threshold(tmp_path):
+    script = load_script()
+    record = script.main(["--quick", "--train", "new", "--hold-ratio", "--ratio", "3"])
+    thresholds = [step["threshold"] for step in record["steps"]]
+    assert len(thresholds) == 3 and all(0.0 <= value <= 1.0 for value in thresholds)
+    assert record["threshold"] == thresholds[-1]

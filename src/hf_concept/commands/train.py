@@ -125,6 +125,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="DLCM μP param groups (automatic when the config sets mup_base_width).",
     )
+    parser.add_argument(
+        "--hold-ratio",
+        action="store_true",
+        help="ConceptMoE: hold the realised tokens per concept at compression_ratio by recalibrating the "
+        "router's threshold after every step (for a converted checkpoint, whose router otherwise gives up "
+        "compression).",
+    )
     parser.add_argument("--base-model", default=None, help="Name of the starting model in the model card.")
     parser.add_argument(
         "--gguf-file", default=None, metavar="NAME", help="The .gguf file to start from in a folder of many."
@@ -257,6 +264,7 @@ def _train(args: argparse.Namespace) -> int:
             eval_data_split=args.eval_data_split,
             data_filter=args.data_filter,
             streaming=args.streaming,
+            hold_ratio=args.hold_ratio,
         )
         if result.is_main_process:
             print(result.summary_table())

@@ -287,6 +287,19 @@ def _use_mup(model: PreTrainedModel, mup: bool | None) -> bool:
     return bool(mup)
 
 
+def ratio_hold_callback(model: PreTrainedModel) -> TrainerCallback:
+    """`hold_ratio`'s callback: the config's `compression_ratio` held by the router's threshold."""
+    from hf_concept.training.ratio_hold import RatioHold
+
+    if model.config.model_type != "conceptmoe" or getattr(model.config, "chunking", None) != "dynamic":
+        chunking = getattr(model.config, "chunking", None)
+        raise TrainSetupError(
+            f"hold_ratio needs a ConceptMoE with dynamic chunking, not model_type="
+            f"{model.config.model_type!r} (chunking={chunking!r})"
+        )
+    return RatioHold(model, model.config.compression_ratio)
+
+
 def resolve_callbacks(specs: Sequence[str | TrainerCallback | type]) -> list[Any]:
     """Callbacks from objects, classes, or "module:Class" strings (each class built with no arguments)."""
     callbacks = []
@@ -453,6 +466,7 @@ def train(
     eval_data_split: str | None = None,
     data_filter: Sequence[str] = (),
     streaming: bool = False,
+    hold_ratio: bool = False,
 ) -> TrainResult:
     """Train `model_or_path` on `data` and save the result to `output_dir` (choices: module docstring).
 
@@ -461,7 +475,9 @@ def train(
     "module:Class"). `resume` continues from the newest complete checkpoint under
     `output_dir/checkpoints`, `resume_from` from the given one. `data_split`/`eval_data_split` pick the split
     of a saved `DatasetDict`, `data_filter` keeps rows by column ("language=en"), `streaming` reads the data
-    lazily (needs `max_steps`); see `hf_concept.training.datasets_io`. Raises `TrainSetupError` for input
+    lazily (needs `max_steps`); see `hf_concept.training.datasets_io`. `hold_ratio` (ConceptMoE) keeps the
+    realised tokens per concept at the config's `compression_ratio` by recalibrating the router's threshold
+    after every step (`hf_concept.training.ratio_hold`). Raises `TrainSetupError` for input
     problems found before training starts, and `TrainingDivergedError` when the loss, a gradient norm or a
     weight stops being finite (nothing non-finite is saved).
     """
@@ -493,6 +509,8 @@ def train(
         )
         use_mup = _use_mup(model, mup)
         callback_objects = resolve_callbacks(callbacks)
+        if hold_ratio:
+            callback_objects.append(ratio_hold_callback(model))
         if lora:
             set_seed(seed)
             model = apply_lora(model, lora_r, lora_alpha, lora_dropout)

@@ -1,0 +1,117 @@
+"""Hold a ConceptMoE's realised tokens per concept at its target by moving the router's threshold.
+
+Why: a checkpoint converted from a dense source at R > 1 starts above its source's loss, and the cheapest
+way for continued training to lower the LM loss is to open a concept at every token, which turns the
+model back into its source. On SmolLM2-135M the ratio loss did not stop that (λ = 0.03 and 1.0 fell to
+about one token per concept within a few dozen steps; λ = 10 held the ratio but stalled the LM loss;
+REPRODUCTION.md). Holding the ratio by the threshold instead leaves the LM gradient free to decide
+*which* tokens open concepts (the ranking of the router's probabilities) while *how many* is fixed.
+
+The rule: after every optimizer step, the batches of that step are run again, without gradients and
+only as far as the router (the early layers), and the threshold becomes the value at which thresholding
+their boundary probabilities (the inference rule, p_t ≥ threshold) gives one concept per `ratio` tokens,
+document starts included. Measuring with the updated weights matters: the LM keeps raising every
+probability a little, and a threshold taken from the step's own forward lags one update behind (on
+SmolLM2 that lag alone let the realised ratio slip from 2 to about 1.5 within 15 steps). The config keeps
+the last value, so a saved checkpoint infers at the ratio it was trained at. Training decisions use
+Gaussian noise around the same threshold (`boundary_noise="gaussian"`), so the held threshold also
+governs training. With several processes each sets its own threshold from its own batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+
+def threshold_for_ratio(probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, ratio: float) -> float:
+    """The threshold under which `probs ≥ threshold` opens one concept per `ratio` real tokens.
+
+    probs, starts, mask: (B, L). Starts always open a concept, so the free tokens (real, not a start)
+    supply the rest: k = round(n / ratio) − (number of starts) of them, the k most probable. Returns the
+    k-th largest free probability (ties may open a few more), or 1.0 when no free token is needed (a
+    probability of exactly 1.0 still opens one), 0.0 when all are.
+    """
+    if not ratio >= 1:
+        raise ValueError(f"ratio={ratio!r} must be >= 1 (tokens per concept)")
+    free = probs[mask & ~starts].detach().float()
+    wanted = round(int(mask.sum()) / ratio) - int((starts & mask).sum())
+    if wanted <= 0 or free.numel() == 0:
+        return 1.0
+    if wanted >= free.numel():
+        return 0.0
+    return float(torch.topk(free, wanted).values[-1].clamp(0.0, 1.0))
+
+
+class _RouterReachedError(Exception):
+    """Ends a re-measuring forward once the router has run."""
+
+
+class RatioHold(TrainerCallback):
+    """Keeps `config.boundary_threshold` of every ConceptMoE stack in `model` at `threshold_for_ratio`.
+
+    A forward pre-hook on each stack keeps the inputs of each training forward; `update()` (called by
+    `Trainer` at every step end, or by hand after `optimizer.step()`) re-runs them up to the router and
+    sets the mean threshold over them. `remove()` detaches the hooks.
+    """
+
+    def __init__(self, model: nn.Module, ratio: float) -> None:
+        from ..modeling.modeling_conceptmoe import ConceptMoEModel
+
+        if not ratio >= 1:
+            raise ValueError(f"ratio={ratio!r} must be >= 1 (tokens per concept)")
+        stacks = [module for module in model.modules() if isinstance(module, ConceptMoEModel)]
+        if not stacks:
+            raise ValueError(f"{type(model).__name__} has no ConceptMoE stack whose ratio could be held")
+        self.ratio, self.stacks, self.calls = ratio, stacks, []
+        for stack in stacks:
+            stack.config.boundary_noise = "gaussian"
+        self.hooks = [stack.register_forward_pre_hook(self._keep, with_kwargs=True) for stack in stacks]
+
+    def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and not getattr(self, "_measuring", False):
+            self.calls.append((module, args, kwargs))
+
+    def _thresholds(self, stack: nn.Module, args: tuple, kwargs: dict) -> float:
+        found = []
+
+        def stop(chunker: nn.Module, inputs: tuple, output: tuple) -> None:
+            _, starts, mask = inputs[:3]
+            found.append(threshold_for_ratio(output[0], starts, mask, self.ratio))
+            raise _RouterReachedError
+
+        hook = stack.chunker.register_forward_hook(stop)
+        self._measuring = True
+        try:
+            with torch.no_grad():
+                stack(*args, **kwargs)
+        except _RouterReachedError:
+            pass
+        finally:
+            hook.remove()
+            self._measuring = False
+        if not found:
+            raise RuntimeError("the ConceptMoE stack returned without running its router (fixed chunking?)")
+        return found[0]
+
+    def update(self) -> float | None:
+        """Sets and returns the new threshold (None, and nothing changed, when no forward was kept)."""
+        if not self.calls:
+            return None
+        values = [self._thresholds(stack, args, kwargs) for stack, args, kwargs in self.calls]
+        self.calls.clear()
+        threshold = sum(values) / len(values)
+        for stack in self.stacks:
+            stack.config.boundary_threshold = threshold
+        return threshold
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.update()
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []

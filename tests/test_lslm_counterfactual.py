@@ -1,0 +1,85 @@
+"""benchmarks/lslm_counterfactual.py: the per-column costs add up to the ELBO's decoder loss, a flip of
+nothing changes nothing, and a short run reports every figure."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_probe():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module("lslm_counterfactual")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def traced_model(probe):
+    """A small LSLM in training mode whose `segment` records what the probe needs, and one batch."""
+    sizes = ["--set", "hidden_size=32", "--set", "intermediate_size=64", "--set", "kl_weight=0"]
+    args = probe.parse_args(["--steps", "1", *sizes])
+    args.context, args.batch_size = 48, 3
+    torch.manual_seed(0)
+    model = probe.synthetic.lslm_model(args, prior_mean=0.25).train()
+    seen = {}
+    original = model.model.segment
+
+    def segment(view, token_states):
+        seen.update(view=view, states=token_states, segmentation=original(view, token_states))
+        return seen["segmentation"]
+
+    model.model.segment = segment
+    language = probe.SyntheticWords(seed=0)
+    texts = probe.synthetic.sample_rows(language, args.batch_size, args.context, random.Random(0))
+    return model, seen, probe.synthetic.rows_of(texts, args.context), args
+
+
+def test_column_costs_add_up_to_the_decoder_loss_and_an_empty_flip_changes_nothing():
+    probe = load_probe()
+    model, seen, batch, args = traced_model(probe)
+    output = model(input_ids=batch, labels=batch)
+    view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
+    with torch.no_grad():
+        costs = probe.column_costs(model, view, states, segmentation, bytes_only=False)
+        same = probe.column_costs(
+            model, view, states, probe.flipped(segmentation, torch.zeros_like(view.mask), view), False
+        )
+    # loss = (Σ decoder CE + β·prior) / predicted bytes, β = 0 here: every target is charged exactly once.
+    predicted = batch[:, 1:].numel()
+    assert costs.sum().item() == pytest.approx(output.loss.item() * predicted, rel=1e-5)
+    torch.testing.assert_close(same, costs)
+
+
+def test_a_flip_moves_only_the_costs_from_its_byte_on():
+    probe = load_probe()
+    model, seen, batch, args = traced_model(probe)
+    model(input_ids=batch, labels=batch)
+    view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
+    flips = torch.zeros_like(view.mask)
+    flips[0, 20] = True
+    with torch.no_grad():
+        before = probe.column_costs(model, view, states, segmentation, bytes_only=False)
+        after = probe.column_costs(model, view, states, probe.flipped(segmentation, flips, view), False)
+    torch.testing.assert_close(after[1:], before[1:])  # other rows untouched
+    torch.testing.assert_close(after[0, :20], before[0, :20])  # earlier bytes untouched (causal)
+    assert not torch.allclose(after[0, 20:], before[0, 20:])
+
+
+@pytest.mark.parametrize("feedback", ["surrogate", "rank"])
+def test_a_short_run_reports_the_advantages_and_the_boundaries(feedback):
+    probe = load_probe()
+    argv = ["--steps", "4", "--log-every", "2", "--feedback", feedback, "--joint", "--set", "hidden_size=32"]
+    result = probe.main([*argv, "--set", "intermediate_size=64", "--router-gradient", "none"])
+    assert [entry["step"] for entry in result["log"]] == [2, 4]
+    for key in ("advantage_at_word_ends", "advantage_elsewhere", "q_at_word_ends", "q_elsewhere"):
+        assert math.isfinite(result["log"][-1][key])
+    assert 0 <= result["precision"] <= 1 and result["bits_per_byte"] > 0
