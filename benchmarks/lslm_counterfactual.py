@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--feedback", choices=FEEDBACK, default="none")
     parser.add_argument("--weight", type=float, default=1.0, help="weight of the feedback term")
     parser.add_argument("--center", action="store_true", help="centre A over each step's flips")
+    parser.add_argument("--normalize", action="store_true", help="divide A by its spread over the flips")
     parser.add_argument("--bytes-only", action="store_true", help="leave <nxt> targets out of the cost")
     parser.add_argument("--router-gradient", choices=("elbo", "none"), default="elbo")
     parser.add_argument("--rate-weight", type=float, default=10.0, help="with --router-gradient none")
@@ -127,6 +128,8 @@ def feedback_loss(model, seen: dict, gold: torch.Tensor, args, predicted: int) -
         advantage = torch.where(gold, 1.0, -1.0) * flips
     if args.center and flips.any():
         advantage = (advantage - advantage[flips].mean()) * flips
+    if args.normalize and int(flips.sum()) > 1:
+        advantage = advantage / advantage[flips].std().clamp(min=1e-6)
     if args.feedback == "rank":
         values = advantage[flips]
         labels = (values >= torch.quantile(values, 1 - model.config.prior_mean)).float()
