@@ -40,12 +40,12 @@ def traced_model(probe):
     model.model.segment = segment
     language = probe.SyntheticWords(seed=0)
     texts = probe.synthetic.sample_rows(language, args.batch_size, args.context, random.Random(0))
-    return model, seen, probe.synthetic.rows_of(texts, args.context), args
+    return model, seen, probe.synthetic.rows_of(texts, args.context)
 
 
 def test_column_costs_add_up_to_the_decoder_loss_and_an_empty_flip_changes_nothing():
     probe = load_probe()
-    model, seen, batch, args = traced_model(probe)
+    model, seen, batch = traced_model(probe)
     output = model(input_ids=batch, labels=batch)
     view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_column_costs_add_up_to_the_decoder_loss_and_an_empty_flip_changes_nothi
 
 def test_a_flip_moves_only_the_costs_from_its_byte_on():
     probe = load_probe()
-    model, seen, batch, args = traced_model(probe)
+    model, seen, batch = traced_model(probe)
     model(input_ids=batch, labels=batch)
     view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
     flips = torch.zeros_like(view.mask)

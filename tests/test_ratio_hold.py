@@ -45,7 +45,7 @@ def test_hold_sets_the_threshold_that_inference_realises_after_the_step():
     torch.manual_seed(0)
     model = ConceptMoEForCausalLM(ConceptMoEConfig(**BACKBONE))
     hold = RatioHold(model, ratio=3.0)
-    assert model.config.boundary_noise == "gaussian"
+    assert model.config.boundary_noise == "none"
     ids = torch.randint(1, 61, (4, 48))
     optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
     model.train()
@@ -93,7 +93,7 @@ def test_train_command_holds_the_configured_ratio(tmp_path, capsys):
     status, _, stderr, _ = _train(capsys, config, *common, "--output-dir", tmp_path / "out", "--hold-ratio")
     assert status == 0, stderr
     model = Saved.from_pretrained(tmp_path / "out").eval()
-    assert model.config.boundary_threshold != 0.5 and model.config.boundary_noise == "gaussian"
+    assert model.config.boundary_threshold != 0.5 and model.config.boundary_noise == "none"
     ids = torch.randint(3, 97, (4, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         boundaries = model.model(input_ids=ids).boundaries
