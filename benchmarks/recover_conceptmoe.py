@@ -50,7 +50,7 @@ from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
 from hf_concept.evaluation import bits_per_byte
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEModel
 from hf_concept.training.data import load_saved_dataset
-from hf_concept.training.ratio_hold import RatioHold
+from hf_concept.training.ratio_hold import RatioHold, calibrate_threshold
 from hf_concept.training.sweep import atomic_write_json
 from hf_concept.utils import eval_mode
 
@@ -99,6 +99,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="hold the realised tokens per concept at --ratio by recalibrating the router's threshold after "
         "every step (hf_concept.training.ratio_hold) instead of leaving it to the ratio loss",
+    )
+    parser.add_argument(
+        "--calibration-batches",
+        type=int,
+        default=16,
+        help="with --hold-ratio: after training, set the threshold from this many unseen training batches "
+        "at once (ratio_hold.calibrate_threshold) before the last evaluation and the save; 0: keep the last "
+        "step's",
     )
     parser.add_argument("--train", choices=TRAIN_MODES, default="all")
     parser.add_argument("--minutes", type=float, default=60.0, help="training wall time, eval excluded")
@@ -398,6 +406,23 @@ def train(
     return step
 
 
+def calibrate(model: nn.Module, tokenizer, data: TrainBatches, texts: dict, run: Run, steps: int) -> None:
+    """--calibration-batches: the threshold from many unseen batches at once, then one more evaluation."""
+    batches = [
+        batch
+        for batch in (data.next_batch() for _ in range(run.args.calibration_batches))
+        if batch is not None
+    ]
+    if not batches:
+        return
+    with eval_mode(model):
+        threshold = calibrate_threshold(model, batches, run.args.ratio)
+    run.record["calibrated_threshold"] = threshold
+    print(f"[calibrate] threshold {threshold:.4f} from {len(batches)} batches", flush=True)
+    run.evaluate(model, tokenizer, texts, steps, data.tokens)
+    run.record["curve"][-1]["calibrated"] = True
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -438,11 +463,12 @@ def recover(source: Path, corpus: Path, scratch: Path, run: Run) -> dict:
     data = TrainBatches(splits["train"], tokenizer, args.context, args.batch_size)
     hold = RatioHold(model, args.ratio) if args.hold_ratio else None
     steps = train(model, tokenizer, data, texts, run, hold)
+    if not run.record["curve"] or run.record["curve"][-1]["step"] != steps:
+        run.evaluate(model, tokenizer, texts, steps, data.tokens)
     if hold is not None:
         hold.remove()
         run.record["threshold"] = concept_model(model).config.boundary_threshold
-    if not run.record["curve"] or run.record["curve"][-1]["step"] != steps:
-        run.evaluate(model, tokenizer, texts, steps, data.tokens)
+        calibrate(model, tokenizer, data, texts, run, steps)
     run.record["answers"]["after"] = answers(model, tokenizer, args.answer_tokens)
     seconds = [entry["seconds"] for entry in run.record["steps"]]
     run.record["seconds_per_step"] = sum(seconds) / len(seconds) if seconds else None

@@ -103,3 +103,17 @@ def test_train_command_holds_the_configured_ratio(tmp_path, capsys):
     status, _, stderr, _ = _train(capsys, config, *common, "--output-dir", tmp_path / "dlcm", "--hold-ratio")
     assert status == 2 and "hold_ratio needs a ConceptMoE with dynamic chunking" in stderr
     assert "model_type='dlcm'" in stderr and not (tmp_path / "dlcm").exists()
+
+
+def test_calibration_over_many_batches_holds_the_ratio_on_all_of_them():
+    from hf_concept.training.ratio_hold import calibrate_threshold
+
+    torch.manual_seed(0)
+    model = ConceptMoEForCausalLM(ConceptMoEConfig(**BACKBONE)).eval()
+    batches = [torch.randint(1, 61, (2, 40)) for _ in range(3)]
+    threshold = calibrate_threshold(model, batches, ratio=2.5)
+    assert model.config.boundary_threshold == threshold
+    opened = sum(int(model.model(input_ids=batch).boundaries.sum()) for batch in batches)
+    assert opened == round(3 * 2 * 40 / 2.5)
+    with pytest.raises(ValueError, match="at least one batch"):
+        calibrate_threshold(model, [], ratio=2.0)

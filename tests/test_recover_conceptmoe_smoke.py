@@ -93,3 +93,5 @@ def test_quick_run_holds_the_ratio_by_the_threshold(tmp_path):
     thresholds = [step["threshold"] for step in record["steps"]]
     assert len(thresholds) == 3 and all(0.0 <= value <= 1.0 for value in thresholds)
     assert record["threshold"] == thresholds[-1]
+    # The saved threshold comes from a larger sample after training, then one more evaluation.
+    assert 0.0 <= record["calibrated_threshold"] <= 1.0 and record["curve"][-1]["calibrated"]

@@ -119,3 +119,30 @@ class RatioHold(TrainerCallback):
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+
+
+@torch.no_grad()
+def calibrate_threshold(model: nn.Module, batches: list[torch.Tensor], ratio: float) -> float:
+    """Sets `boundary_threshold` of every ConceptMoE stack in `model` from many batches at once and
+    returns it: the threshold at which their pooled probabilities open one concept per `ratio` tokens.
+
+    `RatioHold` sets it from one step's batches, whose mix of text varies from step to step; run this
+    before saving so that the saved threshold holds the ratio over a larger sample. Each batch is (B, L)
+    `input_ids` without padding."""
+    from ..modeling.modeling_conceptmoe import ConceptMoEModel
+
+    stacks = [module for module in model.modules() if isinstance(module, ConceptMoEModel)]
+    if not stacks or not batches:
+        raise ValueError("calibrate_threshold needs a ConceptMoE model and at least one batch")
+    probs, starts, masks = [], [], []
+    for input_ids in batches:
+        output = stacks[0](input_ids=input_ids)
+        probs.append(output.boundary_probs.flatten())
+        starts.append(output.document_starts.flatten())
+        masks.append(output.token_mask.flatten())
+    threshold = threshold_for_ratio(
+        torch.cat(probs)[None], torch.cat(starts)[None], torch.cat(masks)[None], ratio
+    )
+    for stack in stacks:
+        stack.config.boundary_threshold = threshold
+    return threshold
