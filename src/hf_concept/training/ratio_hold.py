@@ -51,7 +51,37 @@ def threshold_for_ratio(probs: torch.Tensor, starts: torch.Tensor, mask: torch.T
 
 
 class _RouterReachedError(Exception):
-    """Ends a re-measuring forward once the router has run."""
+    """Ends a measuring forward once the router has run."""
+
+
+def conceptmoe_stacks(model: nn.Module) -> list[nn.Module]:
+    """The ConceptMoE stacks (`ConceptMoEModel`) inside `model` (a causal LM, a PEFT wrapper, ...)."""
+    from ..modeling.modeling_conceptmoe import ConceptMoEModel
+
+    return [module for module in model.modules() if isinstance(module, ConceptMoEModel)]
+
+
+@torch.no_grad()
+def router_inputs(stack: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """(probs, starts, mask), each (B, L): the router's probabilities of a forward of `stack` with these
+    arguments, run without gradients only as far as the router (the early layers)."""
+    found = []
+
+    def stop(chunker: nn.Module, inputs: tuple, output: tuple) -> None:
+        _, starts, mask = inputs[:3]
+        found.append((output[0], starts, mask))
+        raise _RouterReachedError
+
+    hook = stack.chunker.register_forward_hook(stop)
+    try:
+        stack(*args, **kwargs)
+    except _RouterReachedError:
+        pass
+    finally:
+        hook.remove()
+    if not found:
+        raise RuntimeError("the ConceptMoE stack returned without running its router (fixed chunking?)")
+    return found[0]
 
 
 class RatioHold(TrainerCallback):
@@ -63,49 +93,32 @@ class RatioHold(TrainerCallback):
     """
 
     def __init__(self, model: nn.Module, ratio: float) -> None:
-        from ..modeling.modeling_conceptmoe import ConceptMoEModel
-
         if not ratio >= 1:
             raise ValueError(f"ratio={ratio!r} must be >= 1 (tokens per concept)")
-        stacks = [module for module in model.modules() if isinstance(module, ConceptMoEModel)]
+        stacks = conceptmoe_stacks(model)
         if not stacks:
             raise ValueError(f"{type(model).__name__} has no ConceptMoE stack whose ratio could be held")
-        self.ratio, self.stacks, self.calls = ratio, stacks, []
+        self.ratio, self.stacks, self.calls, self.measuring = ratio, stacks, [], False
         for stack in stacks:
             stack.config.boundary_noise = "none"
         self.hooks = [stack.register_forward_pre_hook(self._keep, with_kwargs=True) for stack in stacks]
 
     def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not getattr(self, "_measuring", False):
+        if module.training and not self.measuring:
             self.calls.append((module, args, kwargs))
-
-    def _thresholds(self, stack: nn.Module, args: tuple, kwargs: dict) -> float:
-        found = []
-
-        def stop(chunker: nn.Module, inputs: tuple, output: tuple) -> None:
-            _, starts, mask = inputs[:3]
-            found.append(threshold_for_ratio(output[0], starts, mask, self.ratio))
-            raise _RouterReachedError
-
-        hook = stack.chunker.register_forward_hook(stop)
-        self._measuring = True
-        try:
-            with torch.no_grad():
-                stack(*args, **kwargs)
-        except _RouterReachedError:
-            pass
-        finally:
-            hook.remove()
-            self._measuring = False
-        if not found:
-            raise RuntimeError("the ConceptMoE stack returned without running its router (fixed chunking?)")
-        return found[0]
 
     def update(self) -> float | None:
         """Sets and returns the new threshold (None, and nothing changed, when no forward was kept)."""
         if not self.calls:
             return None
-        values = [self._thresholds(stack, args, kwargs) for stack, args, kwargs in self.calls]
+        self.measuring = True
+        try:
+            values = [
+                threshold_for_ratio(*router_inputs(stack, *args, **kwargs), self.ratio)
+                for stack, args, kwargs in self.calls
+            ]
+        finally:
+            self.measuring = False
         self.calls.clear()
         threshold = sum(values) / len(values)
         for stack in self.stacks:
@@ -121,28 +134,20 @@ class RatioHold(TrainerCallback):
         self.hooks = []
 
 
-@torch.no_grad()
 def calibrate_threshold(model: nn.Module, batches: list[torch.Tensor], ratio: float) -> float:
     """Sets `boundary_threshold` of every ConceptMoE stack in `model` from many batches at once and
     returns it: the threshold at which their pooled probabilities open one concept per `ratio` tokens.
 
     `RatioHold` sets it from one step's batches, whose mix of text varies from step to step; run this
     before saving so that the saved threshold holds the ratio over a larger sample. Each batch is (B, L)
-    `input_ids` without padding."""
-    from ..modeling.modeling_conceptmoe import ConceptMoEModel
-
-    stacks = [module for module in model.modules() if isinstance(module, ConceptMoEModel)]
+    `input_ids` without padding; each runs only as far as the router."""
+    stacks = conceptmoe_stacks(model)
     if not stacks or not batches:
         raise ValueError("calibrate_threshold needs a ConceptMoE model and at least one batch")
-    probs, starts, masks = [], [], []
-    for input_ids in batches:
-        output = stacks[0](input_ids=input_ids)
-        probs.append(output.boundary_probs.flatten())
-        starts.append(output.document_starts.flatten())
-        masks.append(output.token_mask.flatten())
-    threshold = threshold_for_ratio(
-        torch.cat(probs)[None], torch.cat(starts)[None], torch.cat(masks)[None], ratio
-    )
+    measured = [router_inputs(stacks[0], input_ids=input_ids) for input_ids in batches]
+    pooled = (torch.cat([part.flatten() for part in parts])[None] for parts in zip(*measured, strict=True))
+    probs, starts, masks = pooled
+    threshold = threshold_for_ratio(probs, starts, masks, ratio)
     for stack in stacks:
         stack.config.boundary_threshold = threshold
     return threshold
