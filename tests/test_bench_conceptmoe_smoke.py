@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_conceptmoe.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_conceptmoe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses look their module up in sys.modules while the script is being executed.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.mark.parametrize("via", ["memory", "converter"])
 def test_benchmark_main_runs_and_reports_every_figure(via, capsys):
-    bench = load_script()
+    bench = load_benchmark("bench_conceptmoe")
     if via == "converter" and bench.convert_to_conceptmoe is None:
         pytest.fail("hf_concept.conversion.conceptmoe.convert_to_conceptmoe does not import")
     tiny = "--layers 5 --hidden 32 --intermediate 64 --heads 4 --kv-heads 2 --vocab 64 --seq-lens 16,24"

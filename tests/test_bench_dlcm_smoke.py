@@ -3,7 +3,6 @@ L x M baseline it times is the same function as the replicated form (its equalit
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.benchmark_scripts import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dlcm.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_dlcm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def table_rows(printed: str, title: str) -> list[list[str]]:
@@ -75,7 +68,7 @@ def test_quick_run_prints_both_tables_after_the_equality_checks():
 
 
 def test_count_bias_matches_counted_positions_for_uneven_chunks():
-    bench = load_script()
+    bench = load_benchmark("bench_dlcm")
     # Chunks of lengths 1, 3, 2, 5, 1 (slot = chunk), two rows with different splits.
     index = torch.tensor([[0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 4], [0, 0, 0, 0, 1, 2, 2, 2, 3, 3, 4, 4]])
     counts = torch.cumsum(F.one_hot(index, 5), dim=1).float()  # (B, L, M)
@@ -84,7 +77,7 @@ def test_count_bias_matches_counted_positions_for_uneven_chunks():
 
 
 def test_equality_check_rejects_an_lxm_form_without_the_count_weights():
-    bench = load_script()
+    bench = load_benchmark("bench_dlcm")
     args = bench.parse_args(["--quick"])
     inputs = bench.attention_inputs(args, 32, 4)
     scale = args.head_dim**-0.5

@@ -5,7 +5,6 @@ profile) do what they say."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,15 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.benchmark_scripts import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lslm.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_lslm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("baseline", ["byte", "gpt2"])
@@ -65,7 +58,7 @@ def test_quick_run_prints_every_part_with_positive_ratios(tmp_path, baseline):
 
 
 def test_baseline_choice_builds_the_named_model():
-    bench = load_script()
+    bench = load_benchmark("bench_lslm")
     byte = bench.build_models(bench.parse_args(["--quick"]))[bench.BASELINE]
     gpt2 = bench.build_models(bench.parse_args(["--quick", "--baseline", "gpt2"]))[bench.BASELINE]
     # byte: the project's decoder at the segment encoder's width and the LSLM's total depth (1 + 1 + 1).
@@ -78,7 +71,7 @@ def test_baseline_choice_builds_the_named_model():
 
 
 def test_router_setting_forced_decoding_and_timers():
-    bench = load_script()
+    bench = load_benchmark("bench_lslm")
     args = bench.parse_args(["--quick"])
     models = bench.build_models(args)
     model = models["lslm-mean"]

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_smollm2.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_smollm2", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.mark.slow
 def test_quick_run_reports_every_model_against_the_source(tmp_path):
     out = tmp_path / "rows.json"
-    rows = load_script().main(["--quick", "--json", str(out)])
+    rows = load_benchmark("bench_smollm2").main(["--quick", "--json", str(out)])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     assert {(row["model"], row["length"]) for row in rows} == {
         (model, length) for model in ("source", "conceptmoe", "hd n=2", "hd n=4") for length in (16, 24)
@@ -39,7 +28,7 @@ def test_quick_run_reports_every_model_against_the_source(tmp_path):
 
 
 def test_lengths_and_counts_are_checked():
-    script = load_script()
+    script = load_benchmark("bench_smollm2")
     with pytest.raises(SystemExit):
         script.parse_args(["--source", "x", "--lengths", "0"])
     with pytest.raises(SystemExit):

@@ -3,11 +3,8 @@ folders that load, and `bench_conceptmoe.py --trained` times them on text and pr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,22 +12,12 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses look their module up in sys.modules while the script is being executed.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_quick_training_writes_loadable_folders_and_the_bench_prints_the_trained_row(tmp_path, capsys):
     out = tmp_path / "router"
-    result = load_script("train_conceptmoe_router").main([str(out), "--quick", "--threads", "1"])
+    result = load_benchmark("train_conceptmoe_router").main([str(out), "--quick", "--threads", "1"])
     assert sorted(entry.name for entry in out.iterdir()) == ["conceptmoe", "source", "training.json"]
     # Nothing else is left next to OUT (the staging folder is renamed into place).
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["router"]
@@ -49,7 +36,7 @@ def test_quick_training_writes_loadable_folders_and_the_bench_prints_the_trained
     assert math.isfinite(result["conceptmoe"]["heldout"]["inference_ratio"])
     assert "realised inference ratio" in capsys.readouterr().out
 
-    bench = load_script("bench_conceptmoe")
+    bench = load_benchmark("bench_conceptmoe")
     tiny = f"--trained {out} --chunking none --seq-lens 64,96 --decode-tokens 4 --repeats 1 --threads 1"
     for decode, extra in (("text", " --profile"), ("greedy", "")):
         figures = bench.main(f"{tiny} --trained-decode {decode}{extra}".split())
@@ -72,14 +59,14 @@ def test_training_refuses_a_non_empty_out_without_overwrite(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(SystemExit) as raised:
-        load_script("train_conceptmoe_router").main([str(out), "--quick"])
+        load_benchmark("train_conceptmoe_router").main([str(out), "--quick"])
     assert raised.value.code == 2
     assert [entry.name for entry in out.iterdir()] == ["keep.txt"]
     assert [entry.name for entry in tmp_path.iterdir()] == ["router"]
 
 
 def test_bench_refuses_chunking_none_without_a_trained_folder(tmp_path):
-    bench = load_script("bench_conceptmoe")
+    bench = load_benchmark("bench_conceptmoe")
     with pytest.raises(ValueError, match="--chunking none"):
         bench.parse_args(["--chunking", "none"])
     with pytest.raises(ValueError, match=r"source/config\.json"):
@@ -88,7 +75,7 @@ def test_bench_refuses_chunking_none_without_a_trained_folder(tmp_path):
 
 def test_cached_decode_check_fails_when_the_cache_disagrees():
     """The trained row's exactness check can fail: a model whose cached step differs from its full forward."""
-    bench = load_script("bench_conceptmoe")
+    bench = load_benchmark("bench_conceptmoe")
 
     class Drifting(torch.nn.Module):
         def forward(self, input_ids, past_key_values=None, use_cache=False, logits_to_keep=0):

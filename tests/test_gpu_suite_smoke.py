@@ -4,24 +4,13 @@ out of budget stops cleanly with what it has."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_cpu_smoke_runs_every_section_and_writes_both_tables(tmp_path, capsys):
-    suite = load_script()
+    suite = load_benchmark("gpu_suite")
     result = suite.main(["--cpu-smoke", "--out", str(tmp_path)])
     assert result["meta"]["status"] == "complete"
     sections = result["sections"]
@@ -41,7 +30,7 @@ def test_cpu_smoke_runs_every_section_and_writes_both_tables(tmp_path, capsys):
 
 
 def test_a_run_out_of_budget_stops_cleanly_with_partial_results(tmp_path):
-    suite = load_script()
+    suite = load_benchmark("gpu_suite")
     # The kernel section's estimates fit 3.99 s on these sizes, the training section's (>= 4 s) do not.
     argv = ["--cpu-smoke", "--out", str(tmp_path), "--budget-s", "3.99", "--sections", "kernel,training"]
     result = suite.main(argv)

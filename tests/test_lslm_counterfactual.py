@@ -3,24 +3,13 @@ nothing changes nothing, and a short run reports every figure."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_probe():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("lslm_counterfactual")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+from tests.benchmark_scripts import load_benchmark
 
 
 def traced_model(probe):
@@ -44,7 +33,7 @@ def traced_model(probe):
 
 
 def test_column_costs_add_up_to_the_decoder_loss_and_an_empty_flip_changes_nothing():
-    probe = load_probe()
+    probe = load_benchmark("lslm_counterfactual")
     model, seen, batch = traced_model(probe)
     output = model(input_ids=batch, labels=batch)
     view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
@@ -60,7 +49,7 @@ def test_column_costs_add_up_to_the_decoder_loss_and_an_empty_flip_changes_nothi
 
 
 def test_a_flip_moves_only_the_costs_from_its_byte_on():
-    probe = load_probe()
+    probe = load_benchmark("lslm_counterfactual")
     model, seen, batch = traced_model(probe)
     model(input_ids=batch, labels=batch)
     view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
@@ -76,7 +65,7 @@ def test_a_flip_moves_only_the_costs_from_its_byte_on():
 
 @pytest.mark.parametrize("feedback", ["surrogate", "rank"])
 def test_a_short_run_reports_the_advantages_and_the_boundaries(feedback):
-    probe = load_probe()
+    probe = load_benchmark("lslm_counterfactual")
     argv = ["--steps", "4", "--log-every", "2", "--feedback", feedback, "--joint", "--set", "hidden_size=32"]
     result = probe.main([*argv, "--set", "intermediate_size=64", "--router-gradient", "none"])
     assert [entry["step"] for entry in result["log"]] == [2, 4]

@@ -6,28 +6,16 @@ a smaller sequence and batch so that the whole check takes a few seconds)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "coord_check_dlcm.py"
+from tests.benchmark_scripts import load_benchmark
+
 QUICK = "--widths 64,128,256,512 --lr 3e-3 --steps 5 --layers 1,1,1 --seq-len 32 --batch 2 --vocab 128"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("coord_check_dlcm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses look their module up in sys.modules while the script is being executed.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def result():
-    return load_script().main(QUICK.split())
+    return load_benchmark("coord_check_dlcm").main(QUICK.split())
 
 
 def test_every_stage_and_the_logits_are_measured_at_every_width(result):

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "recover_conceptmoe.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("recover_conceptmoe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["all", "new", "lora"])
 def test_quick_run_reports_every_figure(mode, tmp_path):
-    script = load_script()
+    script = load_benchmark("recover_conceptmoe")
     out = tmp_path / "result.json"
     record = script.main(["--quick", "--train", mode, "--json", str(out), "--save", str(tmp_path / "model")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
@@ -42,7 +31,7 @@ def test_quick_run_reports_every_figure(mode, tmp_path):
 
 
 def test_training_windows_are_disjoint_and_balanced():
-    script = load_script()
+    script = load_benchmark("recover_conceptmoe")
     from datasets import Dataset
 
     split = Dataset.from_list(
@@ -76,7 +65,7 @@ def test_training_windows_are_disjoint_and_balanced():
 
 
 def test_aux_loss_weight_overrides_the_conversion_default(tmp_path):
-    script = load_script()
+    script = load_benchmark("recover_conceptmoe")
     source = script.tiny_source(tmp_path / "source")
     weights = {}
     for name, argv in (("set", ["--aux-loss-weight", "1.5"]), ("default", [])):
@@ -88,7 +77,7 @@ def test_aux_loss_weight_overrides_the_conversion_default(tmp_path):
 
 @pytest.mark.slow
 def test_quick_run_holds_the_ratio_by_the_threshold(tmp_path):
-    script = load_script()
+    script = load_benchmark("recover_conceptmoe")
     record = script.main(["--quick", "--train", "new", "--hold-ratio", "--ratio", "3"])
     thresholds = [step["threshold"] for step in record["steps"]]
     assert len(thresholds) == 3 and all(0.0 <= value <= 1.0 for value in thresholds)

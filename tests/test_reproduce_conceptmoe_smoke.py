@@ -4,7 +4,6 @@ conversion, printing each table with finite figures and a JSON record of every r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,25 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from tests.sweeps import kill_at_first_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_conceptmoe.py"
 TITLES = ("[compute]", "[§4.5]", "[§4.3]", "[directions]", "total wall time")
 
 
-def load_script():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("reproduce_conceptmoe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_matched_top_k_is_the_one_nearest_the_source_flops():
     from hf_concept.compute import conceptmoe_compute
     from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 
-    script = load_script()
+    script = load_benchmark("reproduce_conceptmoe")
     args = script.parse_args([])
     fields = dict(script.backbone(args, 3072, 0), encoder_layers=2, decoder_layers=2, compression_ratio=2.0)
     top_k, ratio = script.matched_top_k(fields, args.context)
@@ -62,7 +54,7 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         assert title in result.stdout, title
     figures = json.loads(figures_path.read_text())
     scratch = [run for run in figures["runs"] if run["part"] == "scratch"]
-    assert [run["config"] for run in scratch] == list(load_script().SCRATCH)
+    assert [run["config"] for run in scratch] == list(load_benchmark("reproduce_conceptmoe").SCRATCH)
     for run in scratch:
         assert len(run["history"]) == figures["args"]["steps"]
         assert all(math.isfinite(value) and value > 0 for value in run["heldout"].values()), run["heldout"]
@@ -82,7 +74,7 @@ def test_the_checkpointable_trainer_takes_the_shared_loops_steps():
 
     import torch
 
-    script = load_script()
+    script = load_benchmark("reproduce_conceptmoe")
     args = script.parse_args(["--quick"])
     # One thread, as the script's workers run: a second one on a busy machine makes steps ~10x slower.
     threads = torch.get_num_threads()
@@ -143,7 +135,7 @@ def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
 def test_arms_are_checked_and_a_sweep_of_other_arms_is_refused(tmp_path, capsys):
     """`--arms`: an unknown name exits 2 naming it and the valid arms; the default is every arm; the
     sweep's manifest lists the arms' runs, so a sweep started with other arms is refused."""
-    script = load_script()
+    script = load_benchmark("reproduce_conceptmoe")
     with pytest.raises(SystemExit) as exited:
         script.parse_args(["--arms", "dynamic,chunky"])
     assert exited.value.code == 2
@@ -162,7 +154,7 @@ def test_arms_are_checked_and_a_sweep_of_other_arms_is_refused(tmp_path, capsys)
 
 
 def test_directions_that_need_an_arm_not_run_are_not_run():
-    script = load_script()
+    script = load_benchmark("reproduce_conceptmoe")
     figures = {seed: dict(loss=5.0 + seed, train_loss=4.0, inference_ratio=2.0) for seed in (0, 1)}
     scratch = {
         "no-chunk": figures,
@@ -181,7 +173,9 @@ def test_a_quick_run_of_some_arms_runs_those_only_and_says_what_was_not_run(caps
 
     threads = torch.get_num_threads()
     try:
-        figures = load_script().main(["--quick", "--workers", "1", "--arms", "dynamic,fixed"])
+        figures = load_benchmark("reproduce_conceptmoe").main(
+            ["--quick", "--workers", "1", "--arms", "dynamic,fixed"]
+        )
     finally:
         torch.set_num_threads(threads)
     printed = capsys.readouterr().out

@@ -13,24 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from tests.sweeps import kill_at_first_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_dlcm.py"
 TITLES = ("[Figure 8]", "[Table 4]", "[§8.3]", "[directions]", "total wall time")
 
 
-def load_script():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("reproduce_dlcm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_content_type_has_train_and_heldout_text():
     from hf_concept.data.corpus import corpus_documents
 
-    script = load_script()
+    script = load_benchmark("reproduce_dlcm")
     for split in ("train", "validation"):
         kinds = {script.content_type(name) for name, _ in corpus_documents(split)}
         assert kinds == set(script.CONTENT_TYPES), (split, kinds)

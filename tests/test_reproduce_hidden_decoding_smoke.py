@@ -5,7 +5,6 @@ finite figures and a JSON record of every run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -15,24 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.benchmark_scripts import load_benchmark
 from tests.sweeps import kill_at_first_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_hidden_decoding.py"
 TITLES = ("[Table 5]", "[§4.3]", "[§4.4]", "[issue 18.1]", "[directions]", "total wall time")
 
 
-def load_script():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("reproduce_hidden_decoding", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_arm_is_converted_as_the_paper_describes(tmp_path):
     from transformers import LlamaForCausalLM
 
-    script = load_script()
+    script = load_benchmark("reproduce_hidden_decoding")
     args = script.parse_args(["--width", "32", "--context", "16"])
     assert args.layers == 8
     script.llama_source(args, 0, 50, 0).save_pretrained(tmp_path / "source")
@@ -78,7 +70,7 @@ def test_conversion_form_paper_converts_every_arm_in_the_papers_form(tmp_path):
     """`--conversion-form paper` (causal cross-stream mask, expanded positions): the form in which sum and
     all-token losses can make the streams differ; the default stays the lossless form and the sweep
     manifest of a default run is unchanged."""
-    script = load_script()
+    script = load_benchmark("reproduce_hidden_decoding")
     args = script.parse_args(["--width", "32", "--context", "16", "--conversion-form", "paper"])
     script.llama_source(args, 0, 50, 0).save_pretrained(tmp_path / "source")
     config = script.convert_variant(args, "sum (n=2)", tmp_path / "source", tmp_path / "sum").config
@@ -104,7 +96,7 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         pretrain["pretrained"]
     )
     arms = [run for run in figures["runs"] if run["part"] == "variant"]
-    assert [run["name"] for run in arms] == list(load_script().DEFAULT_ARMS)
+    assert [run["name"] for run in arms] == list(load_benchmark("reproduce_hidden_decoding").DEFAULT_ARMS)
     for run in arms:
         assert len(run["history"]) == figures["args"]["continue_steps"], run["name"]
         losses = [run["converted"], run["heldout"], *(step["lm_loss"] for step in run["history"])]
@@ -131,7 +123,7 @@ def test_the_progressive_arm_killed_after_its_expansion_resumes_to_the_uninterru
     """A checkpoint taken after the progressive arm grew to n = 4 holds its phase and the figures read at
     the expansion: the resumed run grows the converted model, loads the state, and ends as a run that
     was never stopped (same held-out losses, same per-step losses)."""
-    script = load_script()
+    script = load_benchmark("reproduce_hidden_decoding")
     threads = torch.get_num_threads()
     folder = tmp_path / "models"
     swept = script.parse_args(
@@ -182,7 +174,9 @@ def test_a_killed_quick_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
         return without_timing(json.loads(path.read_text())["runs"])
 
     assert figures(resumed) == figures(plain)
-    assert len((folder / "results.jsonl").read_text().splitlines()) == 1 + len(load_script().DEFAULT_ARMS)
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 1 + len(
+        load_benchmark("reproduce_hidden_decoding").DEFAULT_ARMS
+    )
 
 
 def test_arms_take_names_or_aliases_always_with_the_baseline_and_a_sweep_of_other_arms_is_refused(
@@ -191,7 +185,7 @@ def test_arms_take_names_or_aliases_always_with_the_baseline_and_a_sweep_of_othe
     """`--arms`: names or aliases, in `VARIANTS`' order, the source continued always among them; the
     default leaves out the n = 4 supervisions; an unknown name exits 2 naming it and the valid names; the
     sweep's manifest lists the arms' runs, so a sweep started with other arms is refused."""
-    script = load_script()
+    script = load_benchmark("reproduce_hidden_decoding")
     assert script.parse_args([]).arms == script.DEFAULT_ARMS
     assert set(script.VARIANTS) - set(script.DEFAULT_ARMS) == {"all-token loss (n=4)", "sum (n=4)"}
     assert set(script.ALIASES.values()) == set(script.VARIANTS)

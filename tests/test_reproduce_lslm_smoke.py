@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from tests.sweeps import kill_at_first_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_lslm.py"
@@ -89,23 +90,13 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
                 )
 
 
-def load_script():
-    import importlib.util
-
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("reproduce_lslm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("name", ["lslm", "dtp"])
 def test_the_checkpointable_trainer_takes_the_shared_loops_steps(name):
     """`trainer` holds the optimizer, schedule and batch generator that `runner.train` keeps inside (so
     that a sweep can checkpoint them): the same losses, metrics and weights to the last bit."""
     import torch
 
-    script = load_script()
+    script = load_benchmark("reproduce_lslm")
     args = script.parse_args(["--quick"])
     # One thread, as the script runs: a second one on a busy machine makes these steps ~10x slower.
     threads = torch.get_num_threads()
