@@ -6,8 +6,9 @@ decisions flipped (no gradient, same token states), and each flip's advantage of
 A_i = cost(z_i = 0) − cost(z_i = 1), is the change in the decoder's loss over the `--window` bytes from i
 (byte targets only with `--bytes-only`; else `<nxt>` targets too). Under an otherwise fixed sample this is
 the exact derivative of the expected cost with respect to q_i ("local expectation"), truncated to the
-window. The script prints A at true word starts against other bytes as training goes, and can feed A back
-to the router (`--feedback`):
+window. With `--rest inferred` the flips are made against inference's deterministic decisions instead of
+the training sample. The script prints A at true word starts against other bytes, and the AUC of that
+ordering, as training goes, and can feed A back to the router (`--feedback`):
 
 - `surrogate`: loss −Σ_i A_i q_i · gap / predicted bytes (optionally centred over the flips);
 - `rank`: binary cross-entropy of the router's logits at the flips toward "A in the top prior_mean share";
@@ -50,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gap", type=int, default=16, help="bytes between flipped decisions")
     parser.add_argument("--window", type=int, default=8, help="bytes whose cost a flip is charged")
     parser.add_argument("--feedback", choices=FEEDBACK, default="none")
+    parser.add_argument(
+        "--rest",
+        choices=("sample", "inferred"),
+        default="sample",
+        help="the decisions the flips are made against: the training sample, or inference's (deterministic)",
+    )
     parser.add_argument("--weight", type=float, default=1.0, help="weight of the feedback term")
     parser.add_argument("--center", action="store_true", help="centre A over each step's flips")
     parser.add_argument("--normalize", action="store_true", help="divide A by its spread over the flips")
@@ -104,6 +111,9 @@ def advantages(model, seen: dict, args) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, flips), both (B, T): A_i = cost(z_i = 0) − cost(z_i = 1) at the flipped bytes, 0 elsewhere."""
     view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
     free = view.mask & ~segmentation.forced
+    if args.rest == "inferred":
+        moved = (segmentation.inferred & free) ^ (segmentation.ends & free)
+        segmentation = flipped(segmentation, moved, view)
     batch, length = free.shape
     offsets = torch.randint(0, args.gap, (batch, 1))
     flips = ((torch.arange(length)[None] - offsets) % args.gap == 0) & free
@@ -203,20 +213,25 @@ def train(model, args, language, rng: random.Random, interleave: int | None) -> 
 
 
 def step_figures(seen: dict, gold: torch.Tensor, measured) -> list[float]:
-    """[A at word starts, A elsewhere, q at word starts, q elsewhere] of one step (nan where absent)."""
+    """[A at word starts, A elsewhere, its AUC, q at word starts, q elsewhere] of one step (nan where
+    absent)."""
     segmentation = seen["segmentation"]
     free = seen["view"].mask & ~segmentation.forced
     probs = segmentation.probs.detach()
-    figures = [float("nan")] * 2
+    figures = [float("nan")] * 3
     if measured is not None:
         advantage, flips = measured
-        figures = [advantage[flips & gold].mean().item(), advantage[flips & ~gold].mean().item()]
+        at_ends, elsewhere = advantage[flips & gold], advantage[flips & ~gold]
+        # AUC: the share of (word end, other byte) pairs whose advantages are in the right order.
+        pairs = (at_ends[:, None] > elsewhere[None]).float() + 0.5 * (at_ends[:, None] == elsewhere[None])
+        figures = [at_ends.mean().item(), elsewhere.mean().item(), pairs.mean().item()]
     return [*figures, probs[gold & free].mean().item(), probs[~gold & free].mean().item()]
 
 
 def summary(step: int, output, recent: list[list[float]]) -> dict:
     means = torch.tensor(recent).nanmean(0).tolist()
-    names = ("advantage_at_word_ends", "advantage_elsewhere", "q_at_word_ends", "q_elsewhere")
+    names = ("advantage_at_word_ends", "advantage_elsewhere", "advantage_auc")
+    names += ("q_at_word_ends", "q_elsewhere")
     return {
         "step": step,
         "loss": round(output.loss.item(), 4),

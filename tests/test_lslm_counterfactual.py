@@ -63,12 +63,40 @@ def test_a_flip_moves_only_the_costs_from_its_byte_on():
     assert not torch.allclose(after[0, 20:], before[0, 20:])
 
 
-@pytest.mark.parametrize("feedback", ["surrogate", "rank"])
-def test_a_short_run_reports_the_advantages_and_the_boundaries(feedback):
+@pytest.mark.parametrize(("feedback", "rest"), [("surrogate", "sample"), ("rank", "inferred")])
+def test_a_short_run_reports_the_advantages_and_the_boundaries(feedback, rest):
     probe = load_benchmark("lslm_counterfactual")
     argv = ["--steps", "4", "--log-every", "2", "--feedback", feedback, "--joint", "--set", "hidden_size=32"]
-    result = probe.main([*argv, "--set", "intermediate_size=64", "--router-gradient", "none"])
+    argv += ["--rest", rest, "--set", "intermediate_size=64", "--router-gradient", "none"]
+    result = probe.main(argv)
     assert [entry["step"] for entry in result["log"]] == [2, 4]
-    for key in ("advantage_at_word_ends", "advantage_elsewhere", "q_at_word_ends", "q_elsewhere"):
+    keys = ("advantage_at_word_ends", "advantage_elsewhere", "advantage_auc", "q_at_word_ends", "q_elsewhere")
+    for key in keys:
         assert math.isfinite(result["log"][-1][key])
+    assert 0 <= result["log"][-1]["advantage_auc"] <= 1
     assert 0 <= result["precision"] <= 1 and result["bits_per_byte"] > 0
+
+
+def test_flips_against_inference_decisions_start_from_them(monkeypatch):
+    """--rest inferred: the advantages are charged against inference's deterministic decisions (the base
+    layout the decoder is first run on), not against the training sample."""
+    probe = load_benchmark("lslm_counterfactual")
+    model, seen, batch = traced_model(probe)
+    model(input_ids=batch, labels=batch)
+    view, segmentation = seen["view"], seen["segmentation"]
+    free = view.mask & ~segmentation.forced
+    assert not torch.equal(segmentation.inferred & free, segmentation.ends & free)  # the rests differ
+    bases, original = [], probe.column_costs
+
+    def recording(model, view, states, layout, bytes_only):
+        bases.append(layout.ends.clone())
+        return original(model, view, states, layout, bytes_only)
+
+    monkeypatch.setattr(probe, "column_costs", recording)
+    for rest in ("sample", "inferred"):
+        args = probe.parse_args(["--rest", rest, "--gap", "8"])
+        probe.advantages(model, seen, args)
+    sampled_base, inferred_base = bases[0], bases[2]
+    assert torch.equal(sampled_base, segmentation.ends)
+    assert torch.equal(inferred_base & free, segmentation.inferred & free)
+    assert torch.equal(inferred_base & ~free, segmentation.ends & ~free)  # forced ends stay
