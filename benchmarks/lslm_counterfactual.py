@@ -61,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--center", action="store_true", help="centre A over each step's flips")
     parser.add_argument("--normalize", action="store_true", help="divide A by its spread over the flips")
     parser.add_argument("--bytes-only", action="store_true", help="leave <nxt> targets out of the cost")
+    parser.add_argument(
+        "--generator-layout",
+        choices=("router", "random"),
+        default="router",
+        help="train the encoders and decoder on the router's sampled ends, or on ends drawn at random at the "
+        "prior mean (independent of the router, so the decoder cannot adapt to where the router ends)",
+    )
     parser.add_argument("--router-gradient", choices=("elbo", "none"), default="elbo")
     parser.add_argument("--rate-weight", type=float, default=10.0, help="with --router-gradient none")
     parser.add_argument("--joint", action="store_true", help="update every parameter at every step")
@@ -184,6 +191,10 @@ def train(model, args, language, rng: random.Random, interleave: int | None) -> 
 
     def segment(view, token_states):
         segmentation = original(view, token_states)
+        if model.training and args.generator_layout == "random":
+            free = view.mask & ~segmentation.forced
+            drawn = (torch.rand(free.shape) < model.config.prior_mean) & free
+            segmentation = flipped(segmentation, (segmentation.ends & free) ^ drawn, view)
         seen.update(view=view, states=token_states, segmentation=segmentation)
         return segmentation
 

@@ -63,11 +63,15 @@ def test_a_flip_moves_only_the_costs_from_its_byte_on():
     assert not torch.allclose(after[0, 20:], before[0, 20:])
 
 
-@pytest.mark.parametrize(("feedback", "rest"), [("surrogate", "sample"), ("rank", "inferred")])
-def test_a_short_run_reports_the_advantages_and_the_boundaries(feedback, rest):
+@pytest.mark.parametrize(
+    ("feedback", "rest", "layout"),
+    [("surrogate", "sample", "router"), ("rank", "inferred", "router"), ("surrogate", "sample", "random")],
+)
+def test_a_short_run_reports_the_advantages_and_the_boundaries(feedback, rest, layout):
     probe = load_benchmark("lslm_counterfactual")
     argv = ["--steps", "4", "--log-every", "2", "--feedback", feedback, "--joint", "--set", "hidden_size=32"]
-    argv += ["--rest", rest, "--set", "intermediate_size=64", "--router-gradient", "none"]
+    argv += ["--rest", rest, "--generator-layout", layout]
+    argv += ["--set", "intermediate_size=64", "--router-gradient", "none"]
     result = probe.main(argv)
     assert [entry["step"] for entry in result["log"]] == [2, 4]
     keys = ("advantage_at_word_ends", "advantage_elsewhere", "advantage_auc", "q_at_word_ends", "q_elsewhere")
@@ -100,3 +104,29 @@ def test_flips_against_inference_decisions_start_from_them(monkeypatch):
     assert torch.equal(sampled_base, segmentation.ends)
     assert torch.equal(inferred_base & free, segmentation.inferred & free)
     assert torch.equal(inferred_base & ~free, segmentation.ends & ~free)  # forced ends stay
+
+
+def test_a_random_generator_layout_does_not_follow_the_router(monkeypatch):
+    """--generator-layout random: training runs on ends drawn at the prior mean whatever the router says
+    (a router sure of closing every byte still sees about a quarter closed), and evaluation on the
+    router's own decisions."""
+    probe = load_benchmark("lslm_counterfactual")
+    args = probe.parse_args(["--steps", "2", "--generator-layout", "random", "--joint", "--log-every", "1"])
+    args.context, args.batch_size, args.width = 48, 4, 32
+    torch.manual_seed(0)
+    model = probe.synthetic.lslm_model(args, prior_mean=0.25)
+    with torch.no_grad():
+        model.model.router.fc_out.bias.fill_(10.0)  # q ≈ 1 at every byte
+        model.model.router.fc_out.weight.zero_()
+    rates = []
+    original_loss = probe.feedback_loss
+
+    def recording(model, seen, gold, args, predicted):
+        segmentation = seen["segmentation"]
+        free = seen["view"].mask & ~segmentation.forced
+        rates.append(((segmentation.ends & free).sum() / free.sum()).item())
+        return original_loss(model, seen, gold, args, predicted)
+
+    monkeypatch.setattr(probe, "feedback_loss", recording)
+    probe.train(model, args, probe.SyntheticWords(seed=0), random.Random(0), None)
+    assert len(rates) == 2 and all(0.1 < rate < 0.4 for rate in rates)
