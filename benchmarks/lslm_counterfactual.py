@@ -63,10 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bytes-only", action="store_true", help="leave <nxt> targets out of the cost")
     parser.add_argument(
         "--generator-layout",
-        choices=("router", "random"),
+        choices=("router", "random", "gold"),
         default="router",
-        help="train the encoders and decoder on the router's sampled ends, or on ends drawn at random at the "
-        "prior mean (independent of the router, so the decoder cannot adapt to where the router ends)",
+        help="train the encoders and decoder on the router's sampled ends, on ends drawn at random at the "
+        "prior mean (independent of the router, so the decoder cannot adapt to where the router ends), or on "
+        "the true word ends (the optimum: how strong is the signal there?)",
     )
     parser.add_argument("--router-gradient", choices=("elbo", "none"), default="elbo")
     parser.add_argument("--rate-weight", type=float, default=10.0, help="with --router-gradient none")
@@ -191,9 +192,12 @@ def train(model, args, language, rng: random.Random, interleave: int | None) -> 
 
     def segment(view, token_states):
         segmentation = original(view, token_states)
-        if model.training and args.generator_layout == "random":
+        if model.training and args.generator_layout != "router":
             free = view.mask & ~segmentation.forced
-            drawn = (torch.rand(free.shape) < model.config.prior_mean) & free
+            if args.generator_layout == "random":
+                drawn = (torch.rand(free.shape) < model.config.prior_mean) & free
+            else:
+                drawn = seen["gold"] & free
             segmentation = flipped(segmentation, (segmentation.ends & free) ^ drawn, view)
         seen.update(view=view, states=token_states, segmentation=segmentation)
         return segmentation
@@ -205,6 +209,7 @@ def train(model, args, language, rng: random.Random, interleave: int | None) -> 
         texts = synthetic.sample_rows(language, args.batch_size, args.context, rng)
         batch = synthetic.rows_of(texts, args.context)
         gold = gold_ends(texts, tuple(batch.shape), args.context)
+        seen["gold"] = gold
         output = model(input_ids=batch, labels=batch)
         extra, measured = torch.zeros(()), None
         if interleave is None or update_phase(step, interleave) == "inference":

@@ -106,27 +106,32 @@ def test_flips_against_inference_decisions_start_from_them(monkeypatch):
     assert torch.equal(inferred_base & ~free, segmentation.ends & ~free)  # forced ends stay
 
 
-def test_a_random_generator_layout_does_not_follow_the_router(monkeypatch):
-    """--generator-layout random: training runs on ends drawn at the prior mean whatever the router says
-    (a router sure of closing every byte still sees about a quarter closed), and evaluation on the
-    router's own decisions."""
+@pytest.mark.parametrize("layout", ["random", "gold"])
+def test_a_generator_layout_other_than_the_router_does_not_follow_it(monkeypatch, layout):
+    """--generator-layout random / gold: training runs on ends drawn at the prior mean / on the true word
+    ends whatever the router says (here a router sure of closing every byte)."""
     probe = load_benchmark("lslm_counterfactual")
-    args = probe.parse_args(["--steps", "2", "--generator-layout", "random", "--joint", "--log-every", "1"])
+    args = probe.parse_args(["--steps", "2", "--generator-layout", layout, "--joint", "--log-every", "1"])
     args.context, args.batch_size, args.width = 48, 4, 32
     torch.manual_seed(0)
     model = probe.synthetic.lslm_model(args, prior_mean=0.25)
     with torch.no_grad():
         model.model.router.fc_out.bias.fill_(10.0)  # q ≈ 1 at every byte
         model.model.router.fc_out.weight.zero_()
-    rates = []
+    layouts = []
     original_loss = probe.feedback_loss
 
     def recording(model, seen, gold, args, predicted):
         segmentation = seen["segmentation"]
         free = seen["view"].mask & ~segmentation.forced
-        rates.append(((segmentation.ends & free).sum() / free.sum()).item())
+        layouts.append((segmentation.ends & free, gold & free, free))
         return original_loss(model, seen, gold, args, predicted)
 
     monkeypatch.setattr(probe, "feedback_loss", recording)
     probe.train(model, args, probe.SyntheticWords(seed=0), random.Random(0), None)
-    assert len(rates) == 2 and all(0.1 < rate < 0.4 for rate in rates)
+    assert len(layouts) == 2
+    for ends, gold, free in layouts:
+        if layout == "gold":
+            assert torch.equal(ends, gold)
+        else:
+            assert 0.1 < (ends.sum() / free.sum()).item() < 0.4 and not torch.equal(ends, gold)
