@@ -376,13 +376,7 @@ def trainer(
             sample_batch(rows, args.batch_size, args.context, rng) if draw is None else draw(index)
         )  # (B, L)
         output = model(input_ids=batch, labels=batch)
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if generator_steps is not None:
-            drop_other_group_gradients(model, index, generator_steps)
-        optimizer.step()
-        schedule.step()
+        update(model, optimizer, schedule, output.loss, index, generator_steps)
         record = dict(step_metrics(output), loss=output.loss.item())
         if (index + 1) % max(1, args.steps // 10) == 0 or index + 1 == args.steps:
             rate = getattr(output, "boundary_rate", None)
@@ -394,6 +388,21 @@ def trainer(
     if draw is None:
         state["batches"] = rng
     return state, step
+
+
+def update(
+    model: nn.Module, optimizer, schedule, loss: torch.Tensor, index: int, generator_steps: int | None
+) -> None:
+    """Optimizer step `index` from `loss`: backward, gradients clipped at 1.0, then with `generator_steps`
+    k (interleaved updates, LSLM §2.6) the gradients of the group this step does not update dropped, the
+    AdamW step and the schedule's."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if generator_steps is not None:
+        drop_other_group_gradients(model, index, generator_steps)
+    optimizer.step()
+    schedule.step()
 
 
 def step_metrics(output) -> dict[str, float]:
