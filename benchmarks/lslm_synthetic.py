@@ -26,7 +26,7 @@ from hf_concept.evaluation import byte_decoder_baseline
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
-from hf_concept.training.lslm import drop_other_group_gradients
+from hf_concept.training.lslm import drop_other_group_gradients, is_inference_parameter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--clip-after-drop", action="store_true", help="clip each phase's own gradients (interleaved updates)"
     )
     parser.add_argument("--joint", action="store_true", help="update every parameter at every step")
+    parser.add_argument(
+        "--router-lr-factor", type=float, default=1.0, help="the router's peak lr as a multiple of --lr"
+    )
     parser.add_argument(
         "--set", action="append", default=[], help='LSLMConfig field=value (JSON value), e.g. prior_loss="kl"'
     )
@@ -114,8 +117,20 @@ def lr_factor(steps: int):
     return factor
 
 
+def parameter_groups(model, args) -> list[dict]:
+    """AdamW's groups: the router's parameters at `--router-lr-factor` × `--lr` (an LSLM), the rest at
+    `--lr`."""
+    factor = getattr(args, "router_lr_factor", 1.0)
+    router = [p for name, p in model.named_parameters() if is_inference_parameter(name)]
+    rest = [p for name, p in model.named_parameters() if not is_inference_parameter(name)]
+    groups = [{"params": rest, "lr": args.lr}]
+    if router:
+        groups.append({"params": router, "lr": args.lr * factor})
+    return groups
+
+
 def train(model, args, language, rng: random.Random, interleave: int | None) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(parameter_groups(model, args), lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args.steps))
     model.train()
     losses = []
