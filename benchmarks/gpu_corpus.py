@@ -184,15 +184,9 @@ def build(family: str, args: argparse.Namespace, pack: dict, out: Path) -> tuple
             flat, "HD (n=4)", out / "plain-model", out / "hd-n4"
         )
         return model, "HD (n=4), from the plain row's model"
-    argv = [
-        "--width",
-        str(args.width),
-        "--layers",
-        ",".join(map(str, args.layers)),
-        "--context",
-        str(context),
-    ]
-    lslm_args = reproduce_lslm.parse_args([*argv, "--steps", "1", "--batch-size", str(args.batch_size)])
+    layers = ",".join(map(str, args.layers))
+    argv = ["--width", str(args.width), "--layers", layers, "--context", str(context), "--steps", "1"]
+    lslm_args = reproduce_lslm.parse_args([*argv, "--batch-size", str(args.batch_size)])
     return reproduce_lslm.build_model(lslm_args, "lslm", seed), "lslm (paper defaults)"
 
 
@@ -404,8 +398,7 @@ def main(argv: list[str] | None = None):
     args = parse_args(argv)
     if args.command == "pack":
         return pack(args)
-    torch.manual_seed(args.seed)
-    return run(args)
+    return run(args)  # each family seeds itself from --seed
 
 
 if __name__ == "__main__":

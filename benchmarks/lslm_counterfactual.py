@@ -114,14 +114,19 @@ def flipped(segmentation, flips: torch.Tensor, view):
     )
 
 
+def with_free_ends(segmentation, ends: torch.Tensor, view):
+    """The segmentation whose router-decided (free) end decisions are `ends`'s; forced ends unchanged."""
+    free = view.mask & ~segmentation.forced
+    return flipped(segmentation, (segmentation.ends ^ ends) & free, view)
+
+
 @torch.no_grad()
 def advantages(model, seen: dict, args) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, flips), both (B, T): A_i = cost(z_i = 0) − cost(z_i = 1) at the flipped bytes, 0 elsewhere."""
     view, states, segmentation = seen["view"], seen["states"].detach(), seen["segmentation"]
     free = view.mask & ~segmentation.forced
     if args.rest == "inferred":
-        moved = (segmentation.inferred & free) ^ (segmentation.ends & free)
-        segmentation = flipped(segmentation, moved, view)
+        segmentation = with_free_ends(segmentation, segmentation.inferred, view)
     batch, length = free.shape
     offsets = torch.randint(0, args.gap, (batch, 1))
     flips = ((torch.arange(length)[None] - offsets) % args.gap == 0) & free
@@ -193,12 +198,11 @@ def train(model, args, language, rng: random.Random, interleave: int | None) -> 
     def segment(view, token_states):
         segmentation = original(view, token_states)
         if model.training and args.generator_layout != "router":
-            free = view.mask & ~segmentation.forced
             if args.generator_layout == "random":
-                drawn = (torch.rand(free.shape) < model.config.prior_mean) & free
+                drawn = torch.rand(view.mask.shape) < model.config.prior_mean
             else:
-                drawn = seen["gold"] & free
-            segmentation = flipped(segmentation, (segmentation.ends & free) ^ drawn, view)
+                drawn = seen["gold"]
+            segmentation = with_free_ends(segmentation, drawn, view)
         seen.update(view=view, states=token_states, segmentation=segmentation)
         return segmentation
 

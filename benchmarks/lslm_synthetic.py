@@ -120,12 +120,11 @@ def lr_factor(steps: int):
 def parameter_groups(model, args) -> list[dict]:
     """AdamW's groups: the router's parameters at `--router-lr-factor` × `--lr` (an LSLM), the rest at
     `--lr`."""
-    factor = getattr(args, "router_lr_factor", 1.0)
     router = [p for name, p in model.named_parameters() if is_inference_parameter(name)]
     rest = [p for name, p in model.named_parameters() if not is_inference_parameter(name)]
     groups = [{"params": rest, "lr": args.lr}]
     if router:
-        groups.append({"params": router, "lr": args.lr * factor})
+        groups.append({"params": router, "lr": args.lr * args.router_lr_factor})
     return groups
 
 
