@@ -285,7 +285,8 @@ def heldout_documents(split, limits: dict[str, int]) -> list[tuple[str, torch.Te
 
 def load_corpus(args: argparse.Namespace) -> dict:
     """The reproductions' data dict from `args.corpus` (see the module docstring): `windows` (training),
-    `heldout` ((cell, ids) pairs), `vocab_size`, `pad_id`, `heldout_tokens` and `train_tokens` per cell."""
+    `heldout` ((cell, ids) pairs), `vocab_size`, `pad_id`, `heldout_tokens` and `train_tokens` per cell,
+    and the train documents' cells and offsets (`window_cells`)."""
     from hf_concept.training.data import load_saved_dataset
 
     folder = Path(args.corpus)
@@ -311,7 +312,15 @@ def load_corpus(args: argparse.Namespace) -> dict:
           f"{len(windows)} windows of {args.context}; held-out tokens {sizes}", flush=True)  # fmt: skip
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return dict(rows=None, windows=windows, heldout=heldout, vocab_size=len(tokenizer), pad_id=pad_id,
-                heldout_tokens=sizes, train_tokens=dict(sorted(train_tokens.items())))  # fmt: skip
+                heldout_tokens=sizes, train_tokens=dict(sorted(train_tokens.items())),
+                document_cells=cells, document_offsets=offsets)  # fmt: skip
+
+
+def window_cells(data: dict, picked: numpy.ndarray) -> list[str]:
+    """The "language/kind" cell of each train window in `picked` (indices into `data["windows"]`)."""
+    starts = data["windows"].starts[picked]
+    documents = numpy.searchsorted(data["document_offsets"], starts, side="right") - 1
+    return [data["document_cells"][index] for index in documents.tolist()]
 
 
 # ------------------------------------------------------------------------------------------------ bytes

@@ -482,7 +482,8 @@ def variant_job(args: argparse.Namespace, name: str, seed: int, folder: str) -> 
     data = reproduce_dlcm.load_data_once(args)
     variant = VARIANTS[name]
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+    # The converted copy goes to the system's temp folder: a kill leaves no stray folder in the sweep's.
+    with tempfile.TemporaryDirectory() as scratch:
 
         def build():
             after = (seed, args.pretrain_steps)

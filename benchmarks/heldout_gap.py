@@ -1,0 +1,147 @@
+"""Where a sweep run's held-out − training gap comes from: memorised windows, or other documents.
+
+Issue 27 asks each scaled run to end with held-out loss − training loss below 0.05 nats. On `--corpus`
+no window is read twice, so a gap cannot come from repetition; this script shows what it does come from.
+It loads a model a sweep saved (the pretrained sources under `DIR/models`), rebuilds the windows it read
+(its seed's order, `--read-windows` of them), and scores the same weights, per language/kind cell, on
+
+- `read`: windows spread evenly over the ones it trained on,
+- `unread`: the next windows of its order (train documents, never seen),
+- `validation`: the validation split (other documents), cut as the held-out one is,
+- `held-out`: the runner's own held-out set (the figure its record holds, as a check),
+
+each with the held-out set's tokens per cell (`--heldout-tokens`, shared as the runners share it), so
+that the four pooled figures are over one mix.
+
+`read` ≈ `unread` means nothing was memorised; `unread` < `validation` ≈ `held-out` then means the gap is
+the other documents' text (a book, a man page, a poem file the model never saw the like of), which more
+steps on the train documents do not close. Nothing here is a choice: no figure feeds a setting.
+
+    .venv/bin/python benchmarks/heldout_gap.py --corpus /work/cache/corpus \
+        --model /work/cache/sweeps/hidden-decoding/models/seed0/source --context 128 \
+        --order-seed 0 --read-windows 64000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import corpus_data
+import reproduce_dlcm
+
+SPLITS = ("read", "unread", "validation", "held-out")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    corpus_data.add_corpus_flags(parser)
+    parser.add_argument("--model", required=True, help="a saved model folder (`save_pretrained`)")
+    parser.add_argument("--context", type=int, required=True, help="the run's --context")
+    parser.add_argument("--order-seed", type=int, required=True, help="the seed whose window order it read")
+    parser.add_argument("--read-windows", type=int, required=True, help="windows it read (steps × batch)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="write the figures here")
+    return parser.parse_args(argv)
+
+
+def train_samples(data: dict, args: argparse.Namespace) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """("language/kind", ids) windows of the train split, as many per cell as the held-out set has tokens
+    (so that the pooled figures are over the same mix): `read` spread evenly over the cell's windows the
+    run read, `unread` the cell's next windows in its order."""
+    windows = data["windows"]
+    order = windows.order(args.order_seed)
+    if args.read_windows > len(order):
+        raise SystemExit(f"--read-windows {args.read_windows}: more than the {len(order)} windows of the "
+                         "train split")  # fmt: skip
+    cells = numpy.array(corpus_data.window_cells(data, order))
+    samples: dict[str, list] = dict(read=[], unread=[])
+    for cell, tokens in sorted(data["heldout_tokens"].items()):
+        count = -(-tokens // windows.context)
+        read = order[: args.read_windows][cells[: args.read_windows] == cell]
+        unread = order[args.read_windows :][cells[args.read_windows :] == cell][:count]
+        if len(read) < count or len(unread) < count:
+            raise SystemExit(f"cell {cell}: {count} windows needed, {len(read)} read and {len(unread)} "
+                             "unread in the train split")  # fmt: skip
+        spread = read[numpy.linspace(0, len(read) - 1, count).round().astype(numpy.int64)]
+        for name, picked in (("read", spread), ("unread", unread)):
+            samples[name] += [(cell, window_ids(windows, start)) for start in windows.starts[picked].tolist()]
+    return samples
+
+
+def window_ids(windows: corpus_data.WindowOrder, start: int) -> torch.Tensor:
+    return torch.from_numpy(windows.tokens[start : start + windows.context].astype(numpy.int64))  # (L,)
+
+
+def validation_documents(data: dict, args: argparse.Namespace) -> list[tuple[str, torch.Tensor]]:
+    """The validation split cut as `load_corpus` cuts the held-out one (same tokens per cell)."""
+    from hf_concept.training.data import load_saved_dataset
+
+    folder = Path(args.corpus)
+    corpus = load_saved_dataset(folder)
+    if "validation" not in corpus:
+        raise SystemExit(f"--corpus {folder}: no validation split (it has {sorted(corpus)})")
+    tokenizer, path = corpus_data.corpus_tokenizer(folder, corpus["train"])
+    cache = path / f"ids-{corpus_data.corpus_key(folder)}" / "validation.arrow"
+    limits = corpus_data.heldout_limits(data["train_tokens"], args.heldout_tokens, args.context)
+    validation = corpus_data.tokenized(corpus["validation"], tokenizer, cache)
+    return corpus_data.heldout_documents(validation, limits)
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, documents: list[tuple[str, torch.Tensor]], context: int) -> dict:
+    """LM loss in nats per token, pooled and per cell, over `context`-token windows of `documents` (as the
+    runners score their held-out set)."""
+    nats: dict[str, float] = {}
+    predicted: dict[str, int] = {}
+    for cell, window in reproduce_dlcm.heldout_windows(documents, context):
+        if len(window) < 2:
+            continue
+        logits = model(input_ids=window[None], use_cache=False).logits  # (1, L, V)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), window[1:], reduction="sum")
+        nats[cell] = nats.get(cell, 0.0) + float(loss)
+        predicted[cell] = predicted.get(cell, 0) + len(window) - 1
+    cells = {cell: nats[cell] / predicted[cell] for cell in sorted(nats)}
+    tokens = sum(predicted.values())
+    return dict(loss=sum(nats.values()) / tokens, cells=cells, tokens=tokens)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    if args.corpus is None:
+        raise SystemExit("--corpus is required: the saved corpus the run trained on")
+    if not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there (a folder saved with save_pretrained)")
+    data = corpus_data.load_corpus(args)
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    documents = dict(train_samples(data, args), validation=validation_documents(data, args))
+    documents["held-out"] = data["heldout"]
+    figures = {name: score(model, documents[name], args.context) for name in SPLITS}
+    print_table(figures)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(model=args.model, splits=figures), indent=1) + "\n")
+    return figures
+
+
+def print_table(figures: dict) -> None:
+    cells = sorted({cell for split in figures.values() for cell in split["cells"]})
+    print("| split | tokens | all | " + " | ".join(cells) + " |")
+    print("| --- | ---: | ---: | " + " | ".join("---:" for _ in cells) + " |")
+    for name, split in figures.items():
+        losses = [f"{split['cells'][cell]:.3f}" if cell in split["cells"] else "-" for cell in cells]
+        print(f"| {name} | {split['tokens']} | {split['loss']:.3f} | " + " | ".join(losses) + " |")
+
+
+if __name__ == "__main__":
+    main()
