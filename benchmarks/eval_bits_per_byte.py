@@ -203,6 +203,36 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+RESOLVED_STDS = 2.0
+
+
+def paired_verdict(differences: list[float]) -> str:
+    """The verdict on a claim "a < b" from its per-seed paired differences a − b (same seed, same
+    batches): "unresolved" when |mean| < `RESOLVED_STDS` sample std, or with fewer than two seeds (no
+    spread to compare with); else "reproduced" (mean < 0) or "opposite" (mean > 0)."""
+    if len(differences) < 2:
+        return "unresolved"
+    mean, std = mean_std(differences)
+    if abs(mean) < RESOLVED_STDS * std or mean == 0:
+        return "unresolved"
+    return "reproduced" if mean < 0 else "opposite"
+
+
+def chain_verdict(verdicts: list[str]) -> str:
+    """The verdict on a chain of claims (a < b < c ...) from its links' `paired_verdict`s: "reproduced"
+    when every link is, "opposite" when some link is, else "unresolved"."""
+    if all(verdict == "reproduced" for verdict in verdicts):
+        return "reproduced"
+    return "opposite" if "opposite" in verdicts else "unresolved"
+
+
+def answer(value: bool | str | None) -> str:
+    """A direction's printed answer: a verdict as it is, a threshold check as yes / no, "not run"."""
+    if value is None:
+        return "not run"
+    return value if isinstance(value, str) else "yes" if value else "no"
+
+
 def cell(values: list[float], digits: int = 3) -> str:
     """ "mean ± std" of the seeds' values."""
     mean, std = mean_std(values)

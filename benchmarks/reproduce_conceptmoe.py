@@ -643,16 +643,20 @@ def print_ct_table(table: dict[str, dict[int, dict]]) -> None:
               f"{signed(paired(table, name, 'source continued', 'loss')):>20}{ratio:>14}")  # fmt: skip
 
 
-def directions(scratch: dict, ct: dict) -> dict[str, bool | None]:
-    """The paper's directions, read off the seed means; None where an arm one needs was not run."""
+def directions(scratch: dict, ct: dict) -> dict[str, bool | str | None]:
+    """The paper's directions: a comparison is `runner.paired_verdict` on its per-seed paired differences
+    (a chain, `runner.chain_verdict` of its links), a threshold check yes / no on the seed means; None
+    where an arm one needs was not run."""
     ran = {**scratch, **ct}
 
     def mean(name: str, key: str) -> float:
         return statistics.fmean(values(ran, name, key))
 
-    def rising(key: str, *names: str) -> tuple[tuple[str, ...], Callable[[], bool]]:
-        # The seed means of `key` rise along `names`.
-        return names, lambda: all(mean(low, key) < mean(high, key) for low, high in itertools.pairwise(names))
+    def rising(key: str, *names: str) -> tuple[tuple[str, ...], Callable[[], str]]:
+        # `key` rises along `names`, link by link, in paired differences.
+        return names, lambda: runner.chain_verdict(
+            [runner.paired_verdict(paired(ran, low, high, key)) for low, high in itertools.pairwise(names)]
+        )
 
     lambdas = ("lambda-0.01", "dynamic", "lambda-0.1")
     checks = {
@@ -671,6 +675,9 @@ def directions(scratch: dict, ct: dict) -> dict[str, bool | None]:
         checks[f"CT R={ratio:g} lossless (held-out within 1% of the source continued)"] = (
             (name, "source continued"),
             lambda name=name: mean(name, "loss") <= 1.01 * mean("source continued", "loss"),
+        )
+        checks[f"CT R={ratio:g} below the source continued (held-out loss, paired)"] = rising(
+            "loss", name, "source continued"
         )
     return {
         label: test() if all(name in ran for name in needs) else None
@@ -746,8 +753,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_scratch_table(scratch)
     print_ct_table(ct)
     verdict = directions(scratch, ct)
-    answers = {key: NOT_RUN if value is None else "yes" if value else "no" for key, value in verdict.items()}
-    print("\n[directions] " + "; ".join(f"{key}: {answer}" for key, answer in answers.items()))
+    print("\n[directions] " + "; ".join(f"{key}: {runner.answer(value)}" for key, value in verdict.items()))
     print(f"paper (final training-loss gaps, nats): {PAPER}")
     print(
         f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {args.workers} workers x {args.threads} "

@@ -359,8 +359,10 @@ def print_heldout_table(runs: list[dict], split: str = "bundled corpus's validat
         print(f"{name:<18}" + "".join(f"{cell(lengths[kind]):>14}" for kind in kinds) + f"{cell(spread):>14}")
 
 
-def directions(runs: list[dict]) -> dict[str, bool]:
-    """The paper's directions, read off the seed means."""
+def directions(runs: list[dict]) -> dict[str, bool | str]:
+    """The paper's directions: the target checks yes / no on the seed means, the comparisons of two
+    configurations `runner.paired_verdict` on their per-seed paired differences (same seed, same
+    batches)."""
     grouped = by_config(runs)
 
     def mean(name: str, pick) -> float:
@@ -372,20 +374,24 @@ def directions(runs: list[dict]) -> dict[str, bool]:
     def early(name: str) -> float:
         return mean(name, lambda r: r["curve"]["inference_ratio"]["0.1"])
 
-    def realised(name: str) -> float:
-        return mean(name, lambda r: r["heldout"]["inference_ratio"])
+    def paired(lower: str, higher: str, pick) -> str:
+        seeds = {r["seed"]: r for r in grouped[higher]}
+        return runner.paired_verdict([pick(r) - pick(seeds[r["seed"]]) for r in grouped[lower]])
+
+    def miss(run: dict) -> float:
+        return abs(run["heldout"]["inference_ratio"] - TARGET_RATIO)
 
     return {
         "learned creeps below target (end < 90% of R and < its 10% value)": final("learned-global")
         < 0.9 * TARGET_RATIO
         and final("learned-global") < early("learned-global"),
         "rule holds the target (end within ±10% of R)": abs(final("rule-global") / TARGET_RATIO - 1) <= 0.1,
-        "global nearer the target than normal (held-out inference ratio)": abs(
-            realised("learned-global") - TARGET_RATIO
-        )
-        < abs(realised("learned-normal") - TARGET_RATIO),
-        "global held-out loss <= normal": mean("learned-global", lambda r: r["heldout"]["loss"])
-        <= mean("learned-normal", lambda r: r["heldout"]["loss"]),
+        "global nearer the target than normal (held-out inference ratio)": paired(
+            "learned-global", "learned-normal", miss
+        ),
+        "global held-out loss < normal": paired(
+            "learned-global", "learned-normal", lambda r: r["heldout"]["loss"]
+        ),
     }
 
 
@@ -470,9 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_curve_table(runs)
     print_heldout_table(runs, f"{args.corpus}'s held_out split" if args.corpus else "corpus validation split")
     verdict = directions(runs)
-    print(
-        "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())
-    )
+    print("\n[directions] " + "; ".join(f"{key}: {runner.answer(value)}" for key, value in verdict.items()))
     print(
         f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {args.threads} torch threads, "
         f"torch {torch.__version__}"

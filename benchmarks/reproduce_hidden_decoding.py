@@ -637,15 +637,18 @@ def print_progressive(runs: list[dict]) -> None:
 def below(table: dict, pairs: list[tuple[str, str]], key: str = "loss") -> dict | None:
     """`holds`: in every (lower, higher) pair the seed mean of the paired difference of `key` is below 0.
     `within_spread`: some pair's mean difference is no larger than its seeds' sample std, "no difference
-    at this scale" (REPRODUCING rule 3). None when a pair's arm was not run."""
+    at this scale" (REPRODUCING rule 3). `verdict`: `runner.chain_verdict` of the pairs'
+    `runner.paired_verdict`s (unresolved within 2 std). None when a pair's arm was not run."""
     if any(name not in table for pair in pairs for name in pair):
         return None
-    holds, within = True, False
+    holds, within, verdicts = True, False, []
     for lower, higher in pairs:
-        mean, std = runner.mean_std(paired(table, lower, higher, key))
+        differences = paired(table, lower, higher, key)
+        mean, std = runner.mean_std(differences)
         holds = holds and mean < 0
         within = within or abs(mean) <= std
-    return dict(holds=holds, within_spread=within)
+        verdicts.append(runner.paired_verdict(differences))
+    return dict(holds=holds, within_spread=within, verdict=runner.chain_verdict(verdicts))
 
 
 def directions(table: dict) -> dict[str, dict | None]:
@@ -676,8 +679,9 @@ def directions(table: dict) -> dict[str, dict | None]:
         some_gain = -statistics.fmean(paired(table, hd4, BASELINE))
         all_gain = -statistics.fmean(paired(table, all_full, BASELINE))
         # A ratio of two gains: no paired spread to compare it with.
+        holds = all_gain > 0 and some_gain > all_gain / 2
         verdict["§4.4: some keeps most (> half) of all-full's gain over the baseline"] = dict(
-            holds=all_gain > 0 and some_gain > all_gain / 2, within_spread=False
+            holds=holds, within_spread=False, verdict="yes" if holds else "no"
         )
     return verdict
 
@@ -732,12 +736,7 @@ def print_report(args: argparse.Namespace, runs: list[dict], wall: float) -> dic
         print_table(title, rows, table)
     print_progressive(runs)
     verdict = directions(table)
-    answers = {
-        key: NOT_RUN
-        if value is None
-        else ("yes" if value["holds"] else "no") + (" (within the spread)" if value["within_spread"] else "")
-        for key, value in verdict.items()
-    }
+    answers = {key: runner.answer(value and value["verdict"]) for key, value in verdict.items()}
     print("\n[directions] " + "; ".join(f"{key}: {answer}" for key, answer in answers.items()))
     print(f"paper: {PAPER}")
     print(

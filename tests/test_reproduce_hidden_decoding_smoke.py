@@ -105,6 +105,9 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
     assert math.isfinite(progressive["before_expansion"]) and math.isfinite(progressive["after_expansion"])
     assert len(figures["directions"]) == 9
     assert all(isinstance(value["holds"], bool) for value in figures["directions"].values())
+    # One seed: no comparison is resolved.
+    verdicts = {value["verdict"] for key, value in figures["directions"].items() if "some keeps" not in key}
+    assert verdicts == {"unresolved"}
 
 
 def without_timing(value):
