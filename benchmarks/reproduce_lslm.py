@@ -572,22 +572,30 @@ def print_timings(runs: list[dict], wall: float, args: argparse.Namespace) -> No
     print(f"total wall time: {wall:.1f} s ({wall / 60:.1f} min)")
 
 
-def directions(runs: list[dict]) -> dict[str, bool]:
-    """The paper's directions, read off the means (held-out or validation, as run)."""
+def directions(runs: list[dict]) -> dict[str, bool | str]:
+    """The paper's directions (held-out or validation, as run): "LSLM below a model" per cell is
+    `runner.paired_verdict` on the per-seed paired differences (same seed, same batches); English's
+    "about equal to the byte baseline" and the segment checks are yes / no."""
     grouped = by_model(runs)
 
     def stats(name: str, language: str) -> tuple[float, float]:
         return mean_std([run["bits_per_byte"][language] for run in grouped[name]])
 
+    def below(name: str, language: str) -> str:
+        seeds = {run["seed"]: run["bits_per_byte"][language] for run in grouped[name]}
+        lslm = grouped["lslm"]
+        return runner.paired_verdict([run["bits_per_byte"][language] - seeds[run["seed"]] for run in lslm])
+
     cells = list(runs[0]["bits_per_byte"])
-    verdict = {
-        f"lslm<={baseline} {lang}": stats("lslm", lang)[0] <= stats(baseline, lang)[0]
+    verdict: dict[str, bool | str] = {
+        f"lslm<{baseline} {lang}": below(baseline, lang)
         for baseline in ("gpt2", "byte")
         for lang in cells
         if lang.split("/")[0] in ("zh", "ja")
     }
     for lang in (name for name in cells if name.split("/")[0] == "en"):
         verdict[f"lslm<=byte+1std {lang}"] = stats("lslm", lang)[0] <= sum(stats("byte", lang))
+    verdict.update({f"lslm<dtp {lang}": below("dtp", lang) for lang in cells})
     for name in SEGMENTED:
         verdict[f"{name} precision>chance all"] = all(
             c["precision"] > c["gold_rate"]
@@ -630,9 +638,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_boundary_tables(runs, split)
     print_timings(runs, wall, args)
     verdict = directions(runs)
-    print(
-        "\n[directions] " + "; ".join(f"{key}: {'yes' if value else 'no'}" for key, value in verdict.items())
-    )
+    print("\n[directions] " + "; ".join(f"{key}: {runner.answer(value)}" for key, value in verdict.items()))
     drawn = draw(runs, args.png) if args.png else False
     return runner.write_result(
         args, split=split, threads=args.threads, seeds=list(args.seeds), parameters=counts,
