@@ -283,6 +283,27 @@ def heldout_documents(split, limits: dict[str, int]) -> list[tuple[str, torch.Te
     return sorted(documents, key=lambda document: document[0])
 
 
+def spread_windows(split, limits: dict[str, int], context: int) -> list[tuple[str, torch.Tensor]]:
+    """("language/kind", ids) windows of `context` tokens, `ceil(limits[cell] / context)` per cell, spread
+    evenly over all the cell's non-overlapping windows in the split (cut as the train windows are), so
+    that every document of a cell has its share, where `heldout_documents` takes the first documents."""
+    tokens, offsets = flat_ids(split)
+    windows = WindowOrder(tokens, offsets, context)
+    cells = [f"{language}/{kind}" for language, kind in zip(split["language"], split["kind"], strict=True)]
+    layout = dict(windows=windows, document_offsets=offsets, document_cells=cells)
+    of_window = numpy.array(window_cells(layout, numpy.arange(len(windows))))
+    chosen = []
+    for cell, limit in sorted(limits.items()):
+        indices = numpy.flatnonzero(of_window == cell)
+        if len(indices) == 0:
+            continue
+        count = min(len(indices), -(-limit // context))
+        for index in indices[numpy.linspace(0, len(indices) - 1, count).round().astype(numpy.int64)].tolist():
+            start = int(windows.starts[index])
+            chosen.append((cell, torch.from_numpy(tokens[start : start + context].astype(numpy.int64))))
+    return chosen
+
+
 def load_corpus(args: argparse.Namespace) -> dict:
     """The reproductions' data dict from `args.corpus` (see the module docstring): `windows` (training),
     `heldout` ((cell, ids) pairs), `vocab_size`, `pad_id`, `heldout_tokens` and `train_tokens` per cell,

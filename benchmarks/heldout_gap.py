@@ -8,10 +8,13 @@ It loads a model a sweep saved (the pretrained sources under `DIR/models`), rebu
 - `read`: windows spread evenly over the ones it trained on,
 - `unread`: the next windows of its order (train documents, never seen),
 - `validation`: the validation split (other documents), cut as the held-out one is,
-- `held-out`: the runner's own held-out set (the figure its record holds, as a check),
+- `held-out`: the runner's own held-out set (the figure its record holds, as a check): each cell's first
+  documents,
+- `validation, spread` and `held-out, spread`: windows spread evenly over *all* of a cell's documents in
+  those splits (the runners' held-out set rests on 1 to 58 documents per cell),
 
 each with the held-out set's tokens per cell (`--heldout-tokens`, shared as the runners share it), so
-that the four pooled figures are over one mix.
+that the pooled figures are over one mix.
 
 `read` ≈ `unread` means nothing was memorised; `unread` < `validation` ≈ `held-out` then means the gap is
 the other documents' text (a book, a man page, a poem file the model never saw the like of), which more
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus_data
 import reproduce_dlcm
 
-SPLITS = ("read", "unread", "validation", "held-out")
+SPLITS = ("read", "unread", "validation", "held-out", "validation, spread", "held-out, spread")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,8 +84,10 @@ def window_ids(windows: corpus_data.WindowOrder, start: int) -> torch.Tensor:
     return torch.from_numpy(windows.tokens[start : start + windows.context].astype(numpy.int64))  # (L,)
 
 
-def validation_documents(data: dict, args: argparse.Namespace) -> list[tuple[str, torch.Tensor]]:
-    """The validation split cut as `load_corpus` cuts the held-out one (same tokens per cell)."""
+def other_documents(data: dict, args: argparse.Namespace) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """The validation split cut as `load_corpus` cuts the held-out one (each cell's first documents, the
+    same tokens per cell), and both splits' windows spread over all their documents
+    (`corpus_data.spread_windows`, as many per cell)."""
     from hf_concept.training.data import load_saved_dataset
 
     folder = Path(args.corpus)
@@ -90,10 +95,15 @@ def validation_documents(data: dict, args: argparse.Namespace) -> list[tuple[str
     if "validation" not in corpus:
         raise SystemExit(f"--corpus {folder}: no validation split (it has {sorted(corpus)})")
     tokenizer, path = corpus_data.corpus_tokenizer(folder, corpus["train"])
-    cache = path / f"ids-{corpus_data.corpus_key(folder)}" / "validation.arrow"
+    caches = path / f"ids-{corpus_data.corpus_key(folder)}"
     limits = corpus_data.heldout_limits(data["train_tokens"], args.heldout_tokens, args.context)
-    validation = corpus_data.tokenized(corpus["validation"], tokenizer, cache)
-    return corpus_data.heldout_documents(validation, limits)
+    validation = corpus_data.tokenized(corpus["validation"], tokenizer, caches / "validation.arrow")
+    heldout = corpus_data.tokenized(corpus["held_out"], tokenizer, caches / "held_out.arrow")
+    return {
+        "validation": corpus_data.heldout_documents(validation, limits),
+        "validation, spread": corpus_data.spread_windows(validation, limits, args.context),
+        "held-out, spread": corpus_data.spread_windows(heldout, limits, args.context),
+    }
 
 
 @torch.no_grad()
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--model {args.model}: no config.json there (a folder saved with save_pretrained)")
     data = corpus_data.load_corpus(args)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    documents = dict(train_samples(data, args), validation=validation_documents(data, args))
+    documents = dict(train_samples(data, args), **other_documents(data, args))
     documents["held-out"] = data["heldout"]
     figures = {name: score(model, documents[name], args.context) for name in SPLITS}
     print_table(figures)

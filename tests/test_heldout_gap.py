@@ -33,6 +33,30 @@ def test_each_window_is_labelled_with_its_documents_cell():
     assert corpus_data.window_cells(data, picked[::-1]) == expected[::-1]
 
 
+def test_spread_windows_give_every_document_its_share():
+    """Four en/prose documents of 40 tokens and one zh/prose of 200 (ids = flat positions): 4 windows of 8
+    for en/prose come one from each document, where the first-documents cut takes them all from the
+    first; a cell asked for more windows than it has gets them all; a cell not asked for, none."""
+    import datasets
+
+    lengths = [40, 40, 40, 40, 200, 16]
+    cells = [("en", "prose")] * 4 + [("zh", "prose"), ("ja", "prose")]
+    start, rows = 0, []
+    for length in lengths:
+        rows.append(list(range(start, start + length)))
+        start += length
+    split = datasets.Dataset.from_dict(
+        dict(input_ids=rows, language=[c[0] for c in cells], kind=[c[1] for c in cells])
+    )
+    chosen = corpus_data.spread_windows(split, {"en/prose": 32, "zh/prose": 1000}, 8)
+    en = [int(ids[0]) for cell, ids in chosen if cell == "en/prose"]
+    assert [first // 40 for first in en] == [0, 1, 2, 3]
+    assert all(len(ids) == 8 and int(ids[-1]) == int(ids[0]) + 7 for _, ids in chosen)
+    assert sum(cell == "zh/prose" for cell, _ in chosen) == 25 and "ja/prose" not in {c for c, _ in chosen}
+    first = corpus_data.heldout_documents(split, {"en/prose": 32})
+    assert [int(ids[0]) // 40 for _, ids in first] == [0]
+
+
 def memorised_model(corpus: Path, args: list[str], steps: int) -> Path:
     """A tiny Llama trained `steps` times on the windows a run of `args` read (the runners' first batch
     of `--read-windows` windows of `--order-seed`'s order), saved beside the corpus."""
