@@ -189,7 +189,10 @@ def test_run_or_resume_builds_nothing_for_a_done_run_and_runs_plainly_without_a_
 def test_the_status_view_counts_runs_and_estimates_from_the_same_arm(tmp_path, capsys):
     runs = [RunSpec("f", "a", 0), RunSpec("f", "a", 1), RunSpec("f", "b", 0), RunSpec("f", "a", 2)]
     manifest = json.loads(json.dumps(sweep.manifest_of(runs)))
-    results = {"f/a/seed0": dict(arm="a", wall_seconds=10.0), "f/b/seed0": dict(arm="b", wall_seconds=30.0)}
+    results = {
+        "f/a/seed0": dict(arm="a", wall_seconds=10.0, gap=0.0123),
+        "f/b/seed0": dict(arm="b", wall_seconds=30.0, pretrain_gap=-0.05),
+    }
     progress = {"f/a/seed1": dict(step=3, steps=10, elapsed_seconds=4.0)}
     statuses = sweep.sweep_status(manifest, results, progress)
     assert [status.state for status in statuses] == ["done", "running", "done", "left"]
@@ -199,6 +202,8 @@ def test_the_status_view_counts_runs_and_estimates_from_the_same_arm(tmp_path, c
     assert alone.estimate == pytest.approx(20.0)
     text = sweep.format_status(statuses)
     assert "2 done, 1 running, 1 left" in text and "0.3 min" in text and "step 3/10" in text
+    # A done run shows its held-out − training gap (issue 27's criterion) where its record has one.
+    assert "10.0 s, gap +0.0123" in text and "30.0 s, gap -0.0500" in text
     # The CLI reads the same from a folder.
     toy_run(tmp_path, 3)
     assert sweep.main([str(tmp_path)]) == 0

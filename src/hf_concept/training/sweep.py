@@ -384,6 +384,13 @@ class RunStatus:
     step: int | None = None
     steps: int | None = None
     estimate: float | None = None  # seconds still to go (running, left), None without a done run
+    gap: float | None = None  # done: the record's held-out − training loss, where it has one
+
+
+def _gap_of(record: Mapping[str, Any]) -> float | None:
+    """A done run's held-out − training gap (`gap`, or `pretrain_gap` for a pretraining), if numeric."""
+    value = record.get("gap", record.get("pretrain_gap"))
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def sweep_status(
@@ -400,7 +407,8 @@ def sweep_status(
     for run in manifest["runs"]:
         key, arm = run["run"], run["arm"]
         if key in results:
-            statuses.append(RunStatus(key, arm, "done", results[key]["wall_seconds"]))
+            record = results[key]
+            statuses.append(RunStatus(key, arm, "done", record["wall_seconds"], gap=_gap_of(record)))
             continue
         typical = by_arm.get(arm) or walls
         expected = statistics.fmean(typical) if typical else None
@@ -420,7 +428,7 @@ def format_status(statuses: list[RunStatus]) -> str:
     lines = []
     for status in statuses:
         if status.state == "done":
-            detail = f"{status.seconds:.1f} s"
+            detail = f"{status.seconds:.1f} s" + ("" if status.gap is None else f", gap {status.gap:+.4f}")
         elif status.state == "running":
             spent = f"step {status.step}/{status.steps}, {status.seconds:.1f} s so far"
             detail = f"{spent}, ~{_eta(status.estimate)} left"
