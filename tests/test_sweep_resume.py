@@ -196,7 +196,10 @@ def test_the_status_view_counts_runs_and_estimates_from_the_same_arm(tmp_path, c
     progress = {"f/a/seed1": dict(step=3, steps=10, elapsed_seconds=4.0)}
     statuses = sweep.sweep_status(manifest, results, progress)
     assert [status.state for status in statuses] == ["done", "running", "done", "left"]
-    assert statuses[1].estimate == pytest.approx(6.0) and statuses[3].estimate == pytest.approx(10.0)
+    # The running run: 7 steps left at 4/3 s a step (9.3 s) is more than its arm's 10 s less 4 s spent.
+    assert statuses[1].estimate == pytest.approx(28 / 3) and statuses[3].estimate == pytest.approx(10.0)
+    fast = sweep.sweep_status(manifest, results, {"f/a/seed1": dict(step=8, steps=10, elapsed_seconds=2.0)})
+    assert fast[1].estimate == pytest.approx(8.0)
     # Without a done run of its arm, a run is estimated from all done runs.
     (alone,) = sweep.sweep_status(sweep.manifest_of([RunSpec("f", "c", 0)]), results, {})
     assert alone.estimate == pytest.approx(20.0)

@@ -398,7 +398,8 @@ def sweep_status(
 ) -> list[RunStatus]:
     """Each run of `manifest` as done / running / left (a pure function of the three records). The
     estimate of a run still to go is the mean wall time of the done runs of its arm, else of all done
-    runs, less the time a running run has spent."""
+    runs, less the time a running run has spent (or, where longer, a running run's steps left at its own
+    pace so far)."""
     walls = [record["wall_seconds"] for record in results.values()]
     by_arm: dict[str, list[float]] = {}
     for record in results.values():
@@ -415,6 +416,10 @@ def sweep_status(
         spent = progress.get(key, {}).get("elapsed_seconds")
         if key in progress:
             left = None if expected is None else max(0.0, expected - spent)
+            step, steps = progress[key]["step"], progress[key]["steps"]
+            if step > 0:
+                # Its own pace, where its arm's mean says less (a longer run than the done ones).
+                left = max(left or 0.0, spent / step * (steps - step))
             statuses.append(
                 RunStatus(key, arm, "running", spent, progress[key]["step"], progress[key]["steps"], left)
             )
@@ -440,7 +445,8 @@ def format_status(statuses: list[RunStatus]) -> str:
     rest = "unknown (no run done yet)" if any(e is None for e in pending) else f"{sum(pending) / 60:.1f} min"
     lines.append(
         f"{counts['done']} done, {counts['running']} running, {counts['left']} left; "
-        f"estimate for the rest: {rest} of run time (mean of done runs of the same arm, else of all)"
+        f"estimate for the rest: {rest} of run time (mean of done runs of the same arm, else of all; "
+        "a running run at least its own pace)"
     )
     return "\n".join(lines)
 
