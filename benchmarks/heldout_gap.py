@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +42,8 @@ import corpus_data
 import reproduce_dlcm
 
 SPLITS = ("read", "unread", "validation", "held-out", "validation, spread", "held-out, spread")
+COLLECTIONS = 5
+COLLECTION_WINDOWS = 120
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, required=True, help="the run's --context")
     parser.add_argument("--order-seed", type=int, required=True, help="the seed whose window order it read")
     parser.add_argument("--read-windows", type=int, required=True, help="windows it read (steps × batch)")
+    parser.add_argument(
+        "--by-collection",
+        metavar="KIND",
+        help="also score each split's documents of this kind (e.g. classical) per collection: the document "
+        f"name with its digits folded to N, {COLLECTION_WINDOWS} random windows of the largest "
+        f"{COLLECTIONS} collections per split",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the figures here")
     return parser.parse_args(argv)
@@ -106,6 +116,43 @@ def other_documents(data: dict, args: argparse.Namespace) -> dict[str, list[tupl
     }
 
 
+def collection_of(document: str) -> str:
+    """A document id's collection: its last path part with every run of digits folded to N."""
+    return re.sub(r"[0-9]+", "N", document.rsplit("/", 1)[-1])
+
+
+def by_collection(model, args: argparse.Namespace) -> dict[str, dict[str, dict]]:
+    """Per split, per collection of `--by-collection`'s kind: the collection's windows and the LM loss
+    of `COLLECTION_WINDOWS` of them drawn at random (numpy seed 0)."""
+    from hf_concept.training.data import load_saved_dataset
+
+    folder = Path(args.corpus)
+    corpus = load_saved_dataset(folder)
+    tokenizer, path = corpus_data.corpus_tokenizer(folder, corpus["train"])
+    caches = path / f"ids-{corpus_data.corpus_key(folder)}"
+    figures: dict[str, dict[str, dict]] = {}
+    for split in corpus_data.SPLITS:
+        ids = corpus_data.tokenized(corpus[split], tokenizer, caches / f"{split}.arrow")
+        tokens, offsets = corpus_data.flat_ids(ids)
+        windows = corpus_data.WindowOrder(tokens, offsets, args.context)
+        documents = numpy.searchsorted(offsets, windows.starts, side="right") - 1
+        kinds, names = ids["kind"], ids["document"]
+        groups: dict[str, list[int]] = {}
+        for index, document in enumerate(documents.tolist()):
+            if kinds[document] == args.by_collection:
+                groups.setdefault(collection_of(names[document]), []).append(index)
+        rng = numpy.random.default_rng(0)
+        figures[split] = {}
+        for name, members in sorted(groups.items(), key=lambda item: -len(item[1]))[:COLLECTIONS]:
+            picked = rng.choice(members, size=min(COLLECTION_WINDOWS, len(members)), replace=False)
+            rows = [(name, window_ids(windows, int(windows.starts[index]))) for index in picked.tolist()]
+            figures[split][name] = dict(windows=len(members), loss=score(model, rows, args.context)["loss"])
+            print(
+                f"{split} {name}: {len(members)} windows, loss {figures[split][name]['loss']:.3f}", flush=True
+            )
+    return figures
+
+
 @torch.no_grad()
 def score(model: torch.nn.Module, documents: list[tuple[str, torch.Tensor]], context: int) -> dict:
     """LM loss in nats per token, pooled and per cell, over `context`-token windows of `documents` (as the
@@ -139,9 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
     documents["held-out"] = data["heldout"]
     figures = {name: score(model, documents[name], args.context) for name in SPLITS}
     print_table(figures)
+    collections = by_collection(model, args) if args.by_collection else None
+    record = dict(model=args.model, splits=figures, collections=collections)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(model=args.model, splits=figures), indent=1) + "\n")
-    return figures
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def print_table(figures: dict) -> None:

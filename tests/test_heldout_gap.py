@@ -87,8 +87,16 @@ def test_memorised_windows_score_below_unread_ones_and_the_heldout_figure_is_the
     args = ["--corpus", str(corpus), "--context", "32", "--order-seed", "3", "--read-windows", "48",
             "--heldout-tokens", "256"]  # fmt: skip
     model_path = memorised_model(corpus, args, steps=80)
-    figures = heldout_gap.main([*args, "--model", str(model_path), "--json", str(tmp_path / "gap.json")])
+    record = heldout_gap.main(
+        [*args, "--model", str(model_path), "--json", str(tmp_path / "gap.json"), "--by-collection", "prose"]
+    )
+    figures = record["splits"]
     assert list(figures) == list(heldout_gap.SPLITS)
+    # Per collection (the mini corpus's ids fold to one per split and language), every split scored.
+    assert set(record["collections"]) == {"train", "validation", "held_out"}
+    assert set(record["collections"]["held_out"]) == {
+        f"mini:held_out:{lang}:N" for lang in ("en", "ja", "zh")
+    }
     # Random words: the unread windows can only be guessed from letter statistics, the read ones recalled.
     assert figures["read"]["loss"] < figures["unread"]["loss"] - 1.0, figures
     # The same cells, with as many windows each, in every split.
@@ -103,6 +111,11 @@ def test_memorised_windows_score_below_unread_ones_and_the_heldout_figure_is_the
     expected = reproduce_hidden_decoding.evaluate(model, data["heldout"], 32)
     assert figures["held-out"]["loss"] == pytest.approx(expected, rel=1e-6)
     assert (tmp_path / "gap.json").is_file()
+
+
+def test_a_collection_is_the_document_name_with_its_digits_folded():
+    assert heldout_gap.collection_of("chinese-poetry/json/poet.song.12000.json") == "poet.song.N.json"
+    assert heldout_gap.collection_of("yuanqu.json") == "yuanqu.json"
 
 
 def test_a_run_that_read_more_than_the_split_is_refused(tmp_path, monkeypatch):
