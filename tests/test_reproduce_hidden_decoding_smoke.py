@@ -60,7 +60,8 @@ def test_every_arm_is_converted_as_the_paper_describes(tmp_path):
     assert grown.config.num_streams == 4 and grown.config.stream_supervision == "final"
     assert torch.equal(grown.model.embed_tokens.weight, two.model.embed_tokens.weight.repeat(1, 2))
     # Every table's rows are arms; every arm is in a table.
-    named = {name for rows in script.TABLES.values() for _, name in rows}
+    tables = load_benchmark("hidden_decoding_report").TABLES
+    named = {name for rows in tables.values() for _, name in rows}
     assert named == set(script.VARIANTS)
     with pytest.raises(SystemExit):
         script.parse_args(["--layers", "4"])
