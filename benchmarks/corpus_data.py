@@ -104,6 +104,15 @@ class WindowOrder:
             self._orders[seed] = numpy.random.Generator(numpy.random.PCG64(seed)).permutation(len(self))
         return self._orders[seed]
 
+    def ids(self, index: int) -> torch.Tensor:
+        """Window `index`'s ids, (L,) int64."""
+        start = int(self.starts[index])
+        return torch.from_numpy(self.tokens[start : start + self.context].astype(numpy.int64))
+
+    def documents(self, offsets: numpy.ndarray) -> numpy.ndarray:
+        """The document of each window, (N,): the one whose `offsets` span holds its start."""
+        return numpy.searchsorted(offsets, self.starts, side="right") - 1
+
     def batch(self, seed: int, first: int, batch_size: int) -> torch.Tensor:
         """Windows `first` .. `first + batch_size - 1` of `seed`'s order, as a (B, L) batch of ids."""
         if first + batch_size > len(self):
@@ -252,6 +261,14 @@ def tokenized(split, tokenizer, cache: Path):
     )  # fmt: skip
 
 
+def tokenized_splits(folder: Path, corpus, names: Sequence[str]) -> tuple[Any, dict]:
+    """The corpus's tokenizer and its `names` splits tokenised (`tokenized`, each cached as
+    `<name>.arrow` in a folder named from the corpus, beside the tokenizer)."""
+    tokenizer, path = corpus_tokenizer(folder, corpus["train"])
+    caches = path / f"ids-{corpus_key(folder)}"
+    return tokenizer, {name: tokenized(corpus[name], tokenizer, caches / f"{name}.arrow") for name in names}
+
+
 def flat_ids(split) -> tuple[numpy.ndarray, numpy.ndarray]:
     """The `input_ids` of every document one after another, and the documents' offsets (D + 1,)."""
     column = split.data.column("input_ids").combine_chunks()
@@ -289,9 +306,8 @@ def spread_windows(split, limits: dict[str, int], context: int) -> list[tuple[st
     that every document of a cell has its share, where `heldout_documents` takes the first documents."""
     tokens, offsets = flat_ids(split)
     windows = WindowOrder(tokens, offsets, context)
-    cells = [f"{language}/{kind}" for language, kind in zip(split["language"], split["kind"], strict=True)]
-    layout = dict(windows=windows, document_offsets=offsets, document_cells=cells)
-    of_window = numpy.array(window_cells(layout, numpy.arange(len(windows))))
+    pairs = zip(split["language"], split["kind"], strict=True)
+    of_window = numpy.array([f"{language}/{kind}" for language, kind in pairs])[windows.documents(offsets)]
     chosen = []
     for cell, limit in sorted(limits.items()):
         indices = numpy.flatnonzero(of_window == cell)
@@ -299,8 +315,7 @@ def spread_windows(split, limits: dict[str, int], context: int) -> list[tuple[st
             continue
         count = min(len(indices), -(-limit // context))
         for index in indices[numpy.linspace(0, len(indices) - 1, count).round().astype(numpy.int64)].tolist():
-            start = int(windows.starts[index])
-            chosen.append((cell, torch.from_numpy(tokens[start : start + context].astype(numpy.int64))))
+            chosen.append((cell, windows.ids(index)))
     return chosen
 
 
@@ -315,9 +330,8 @@ def load_corpus(args: argparse.Namespace) -> dict:
     missing = [split for split in ("train", "held_out") if split not in corpus]
     if missing:
         raise SystemExit(f"--corpus {folder}: no {' or '.join(missing)} split (it has {sorted(corpus)})")
-    tokenizer, path = corpus_tokenizer(folder, corpus["train"])
-    caches = path / f"ids-{corpus_key(folder)}"
-    train = tokenized(corpus["train"], tokenizer, caches / "train.arrow")
+    tokenizer, ids = tokenized_splits(folder, corpus, ("train", "held_out"))
+    train = ids["train"]
     tokens, offsets = flat_ids(train)
     windows = WindowOrder(tokens, offsets, args.context)
     cells = [f"{language}/{kind}" for language, kind in zip(train["language"], train["kind"], strict=True)]
@@ -325,7 +339,7 @@ def load_corpus(args: argparse.Namespace) -> dict:
     for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
         train_tokens[cell] = train_tokens.get(cell, 0) + length
     limits = heldout_limits(train_tokens, args.heldout_tokens, args.context)
-    heldout = heldout_documents(tokenized(corpus["held_out"], tokenizer, caches / "held_out.arrow"), limits)
+    heldout = heldout_documents(ids["held_out"], limits)
     sizes = {}
     for cell, ids in heldout:
         sizes[cell] = sizes.get(cell, 0) + len(ids)
@@ -339,8 +353,7 @@ def load_corpus(args: argparse.Namespace) -> dict:
 
 def window_cells(data: dict, picked: numpy.ndarray) -> list[str]:
     """The "language/kind" cell of each train window in `picked` (indices into `data["windows"]`)."""
-    starts = data["windows"].starts[picked]
-    documents = numpy.searchsorted(data["document_offsets"], starts, side="right") - 1
+    documents = data["windows"].documents(data["document_offsets"])[picked]
     return [data["document_cells"][index] for index in documents.tolist()]
 
 

@@ -206,6 +206,13 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 RESOLVED_STDS = 2.0
 
 
+def seed_differences(lower: list[dict], higher: list[dict], pick: Callable[[dict], float]) -> list[float]:
+    """Per run of `lower`: pick(run) − pick(the run of `higher` with the same "seed"), the paired
+    differences `paired_verdict` reads."""
+    by_seed = {run["seed"]: run for run in higher}
+    return [pick(run) - pick(by_seed[run["seed"]]) for run in lower]
+
+
 def paired_verdict(differences: list[float]) -> str:
     """The verdict on a claim "a < b" from its per-seed paired differences a − b (same seed, same
     batches): "unresolved" when |mean| < `RESOLVED_STDS` sample std, or with fewer than two seeds (no

@@ -86,33 +86,32 @@ def train_samples(data: dict, args: argparse.Namespace) -> dict[str, list[tuple[
                              "unread in the train split")  # fmt: skip
         spread = read[numpy.linspace(0, len(read) - 1, count).round().astype(numpy.int64)]
         for name, picked in (("read", spread), ("unread", unread)):
-            samples[name] += [(cell, window_ids(windows, start)) for start in windows.starts[picked].tolist()]
+            samples[name] += [(cell, windows.ids(index)) for index in picked.tolist()]
     return samples
 
 
-def window_ids(windows: corpus_data.WindowOrder, start: int) -> torch.Tensor:
-    return torch.from_numpy(windows.tokens[start : start + windows.context].astype(numpy.int64))  # (L,)
-
-
-def other_documents(data: dict, args: argparse.Namespace) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """The validation split cut as `load_corpus` cuts the held-out one (each cell's first documents, the
-    same tokens per cell), and both splits' windows spread over all their documents
-    (`corpus_data.spread_windows`, as many per cell)."""
+def split_ids(args: argparse.Namespace) -> dict:
+    """Every split of `--corpus`, tokenised (the caches the runners use)."""
     from hf_concept.training.data import load_saved_dataset
 
     folder = Path(args.corpus)
     corpus = load_saved_dataset(folder)
     if "validation" not in corpus:
         raise SystemExit(f"--corpus {folder}: no validation split (it has {sorted(corpus)})")
-    tokenizer, path = corpus_data.corpus_tokenizer(folder, corpus["train"])
-    caches = path / f"ids-{corpus_data.corpus_key(folder)}"
+    return corpus_data.tokenized_splits(folder, corpus, corpus_data.SPLITS)[1]
+
+
+def other_documents(
+    data: dict, ids: dict, args: argparse.Namespace
+) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """The validation split cut as `load_corpus` cuts the held-out one (each cell's first documents, the
+    same tokens per cell), and both splits' windows spread over all their documents
+    (`corpus_data.spread_windows`, as many per cell)."""
     limits = corpus_data.heldout_limits(data["train_tokens"], args.heldout_tokens, args.context)
-    validation = corpus_data.tokenized(corpus["validation"], tokenizer, caches / "validation.arrow")
-    heldout = corpus_data.tokenized(corpus["held_out"], tokenizer, caches / "held_out.arrow")
     return {
-        "validation": corpus_data.heldout_documents(validation, limits),
-        "validation, spread": corpus_data.spread_windows(validation, limits, args.context),
-        "held-out, spread": corpus_data.spread_windows(heldout, limits, args.context),
+        "validation": corpus_data.heldout_documents(ids["validation"], limits),
+        "validation, spread": corpus_data.spread_windows(ids["validation"], limits, args.context),
+        "held-out, spread": corpus_data.spread_windows(ids["held_out"], limits, args.context),
     }
 
 
@@ -121,22 +120,15 @@ def collection_of(document: str) -> str:
     return re.sub(r"[0-9]+", "N", document.rsplit("/", 1)[-1])
 
 
-def by_collection(model, args: argparse.Namespace) -> dict[str, dict[str, dict]]:
+def by_collection(model, ids: dict, args: argparse.Namespace) -> dict[str, dict[str, dict]]:
     """Per split, per collection of `--by-collection`'s kind: the collection's windows and the LM loss
     of `COLLECTION_WINDOWS` of them drawn at random (numpy seed 0)."""
-    from hf_concept.training.data import load_saved_dataset
-
-    folder = Path(args.corpus)
-    corpus = load_saved_dataset(folder)
-    tokenizer, path = corpus_data.corpus_tokenizer(folder, corpus["train"])
-    caches = path / f"ids-{corpus_data.corpus_key(folder)}"
     figures: dict[str, dict[str, dict]] = {}
-    for split in corpus_data.SPLITS:
-        ids = corpus_data.tokenized(corpus[split], tokenizer, caches / f"{split}.arrow")
-        tokens, offsets = corpus_data.flat_ids(ids)
+    for split, tokenized_split in ids.items():
+        tokens, offsets = corpus_data.flat_ids(tokenized_split)
         windows = corpus_data.WindowOrder(tokens, offsets, args.context)
-        documents = numpy.searchsorted(offsets, windows.starts, side="right") - 1
-        kinds, names = ids["kind"], ids["document"]
+        documents = windows.documents(offsets)
+        kinds, names = tokenized_split["kind"], tokenized_split["document"]
         groups: dict[str, list[int]] = {}
         for index, document in enumerate(documents.tolist()):
             if kinds[document] == args.by_collection:
@@ -145,7 +137,7 @@ def by_collection(model, args: argparse.Namespace) -> dict[str, dict[str, dict]]
         figures[split] = {}
         for name, members in sorted(groups.items(), key=lambda item: -len(item[1]))[:COLLECTIONS]:
             picked = rng.choice(members, size=min(COLLECTION_WINDOWS, len(members)), replace=False)
-            rows = [(name, window_ids(windows, int(windows.starts[index]))) for index in picked.tolist()]
+            rows = [(name, windows.ids(index)) for index in picked.tolist()]
             figures[split][name] = dict(windows=len(members), loss=score(model, rows, args.context)["loss"])
             print(
                 f"{split} {name}: {len(members)} windows, loss {figures[split][name]['loss']:.3f}", flush=True
@@ -182,11 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--model {args.model}: no config.json there (a folder saved with save_pretrained)")
     data = corpus_data.load_corpus(args)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    documents = dict(train_samples(data, args), **other_documents(data, args))
+    ids = split_ids(args)
+    documents = dict(train_samples(data, args), **other_documents(data, ids, args))
     documents["held-out"] = data["heldout"]
     figures = {name: score(model, documents[name], args.context) for name in SPLITS}
     print_table(figures)
-    collections = by_collection(model, args) if args.by_collection else None
+    collections = by_collection(model, ids, args) if args.by_collection else None
     record = dict(model=args.model, splits=figures, collections=collections)
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")

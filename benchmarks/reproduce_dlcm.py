@@ -375,8 +375,7 @@ def directions(runs: list[dict]) -> dict[str, bool | str]:
         return mean(name, lambda r: r["curve"]["inference_ratio"]["0.1"])
 
     def paired(lower: str, higher: str, pick) -> str:
-        seeds = {r["seed"]: r for r in grouped[higher]}
-        return runner.paired_verdict([pick(r) - pick(seeds[r["seed"]]) for r in grouped[lower]])
+        return runner.paired_verdict(runner.seed_differences(grouped[lower], grouped[higher], pick))
 
     def miss(run: dict) -> float:
         return abs(run["heldout"]["inference_ratio"] - TARGET_RATIO)

@@ -582,9 +582,10 @@ def directions(runs: list[dict]) -> dict[str, bool | str]:
         return mean_std([run["bits_per_byte"][language] for run in grouped[name]])
 
     def below(name: str, language: str) -> str:
-        seeds = {run["seed"]: run["bits_per_byte"][language] for run in grouped[name]}
-        lslm = grouped["lslm"]
-        return runner.paired_verdict([run["bits_per_byte"][language] - seeds[run["seed"]] for run in lslm])
+        differences = runner.seed_differences(
+            grouped["lslm"], grouped[name], lambda run: run["bits_per_byte"][language]
+        )
+        return runner.paired_verdict(differences)
 
     cells = list(runs[0]["bits_per_byte"])
     verdict: dict[str, bool | str] = {
