@@ -246,6 +246,13 @@ def cell(values: list[float], digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def print_wall_time(args: argparse.Namespace, wall: float) -> None:
+    """The reproduction's closing line: wall time, the processes and threads it ran with, torch's version."""
+    workers = f"{args.workers} workers x " if hasattr(args, "workers") else ""
+    print(f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {workers}{args.threads} torch threads, "
+          f"torch {torch.__version__}")  # fmt: skip
+
+
 def write_result(args: argparse.Namespace, **figures) -> dict:
     """A reproduction's result record — the command line, its arguments, the Python and torch versions
     and `figures` — written as JSON to `args.json` when given; returned either way."""

@@ -10,8 +10,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_bits_per_byte as runner
@@ -216,8 +214,5 @@ def print_report(args: argparse.Namespace, runs: list[dict], wall: float) -> dic
     answers = {key: runner.answer(value and value["verdict"]) for key, value in verdict.items()}
     print("\n[directions] " + "; ".join(f"{key}: {answer}" for key, answer in answers.items()))
     print(f"paper: {PAPER}")
-    print(
-        f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {args.workers} workers x {args.threads} "
-        f"torch threads, torch {torch.__version__}"
-    )
+    runner.print_wall_time(args, wall)
     return verdict

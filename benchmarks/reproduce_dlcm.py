@@ -476,10 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_heldout_table(runs, f"{args.corpus}'s held_out split" if args.corpus else "corpus validation split")
     verdict = directions(runs)
     print("\n[directions] " + "; ".join(f"{key}: {runner.answer(value)}" for key, value in verdict.items()))
-    print(
-        f"total wall time: {wall:.1f} s ({wall / 60:.1f} min), {args.threads} torch threads, "
-        f"torch {torch.__version__}"
-    )
+    runner.print_wall_time(args, wall)
     drawn = draw(runs, args.png) if args.png else False
     return runner.write_result(
         args, seeds=list(args.seeds), wall_seconds=wall, runs=runs, directions=verdict,

@@ -154,13 +154,13 @@ def test_arms_are_checked_and_a_sweep_of_other_arms_is_refused(tmp_path, capsys)
 
 
 def test_directions_that_need_an_arm_not_run_are_not_run():
-    script = load_benchmark("reproduce_conceptmoe")
+    report = load_benchmark("conceptmoe_report")
     figures = {seed: dict(loss=5.0 + seed, train_loss=4.0, inference_ratio=2.0) for seed in (0, 1)}
     scratch = {
         "no-chunk": figures,
         "dynamic": {seed: dict(entry, loss=4.5 + 1.01 * seed) for seed, entry in figures.items()},
     }
-    verdict = script.directions(scratch, {})
+    verdict = report.directions(scratch, {})
     # Paired by seed: -0.5 and -0.49, well beyond 2 std.
     assert verdict["dynamic < no-chunk (held-out loss)"] == "reproduced"
     assert {key for key, value in verdict.items() if value is None} == set(verdict) - {
