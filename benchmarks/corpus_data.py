@@ -19,10 +19,14 @@ columns text, language, kind, source, document. From it:
   the split has is refused with the figures (`require_windows`).
 - held-out: the `held_out` split (never the source of a choice), `--heldout-tokens` tokens in all,
   shared among the (language, kind) cells in proportion to their train tokens (at least one context
-  each), each cell's first tokens in the split's document order, labelled "language/kind". The pooled
-  held-out loss is then over the training mixture, so that `gap` = held-out − training loss measures
-  overfitting, not the difference between two mixtures (classical Chinese is ~70% of the train tokens).
-  The validation split is the one to use for a choice; these scripts make none.
+  each), labelled "language/kind", taken by `--heldout-sample`: `spread` (the default) takes windows
+  spread evenly over all of a cell's documents (`spread_windows`), `first` each cell's first tokens in the
+  split's document order (the cut before the flag existed; the split's order is the sources' file order,
+  so the first documents are the first collections, not a sample of the cell). The pooled held-out loss
+  is then over the training mixture, so that `gap` = held-out − training loss measures overfitting, not
+  the difference between two mixtures (classical Chinese is ~70% of the train tokens). The LSLM's byte
+  held-out text per cell is taken the same way (`heldout_texts`, `spread_texts`). The validation split
+  is the one to use for a choice; these scripts make none.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ import eval_bits_per_byte as runner
 SPLITS = ("train", "validation", "held_out")
 SAMPLE_CHARACTERS = 1_000_000
 HELDOUT_TOKENS = 1 << 19
+# How a cell's held-out text is taken (`--heldout-sample`); the first is the default.
+HELDOUT_SAMPLES = ("spread", "first")
 MAP_BATCH = 64
 
 
@@ -69,13 +75,32 @@ def add_corpus_flags(parser: argparse.ArgumentParser) -> None:
         help="with --corpus: held-out tokens scored, shared among the language/kind cells in proportion "
         "to their train tokens",
     )
+    add_heldout_sample_flag(parser)
+
+
+def add_heldout_sample_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--heldout-sample",
+        choices=HELDOUT_SAMPLES,
+        default=HELDOUT_SAMPLES[0],
+        help="with --corpus: how each cell's held-out text is taken: spread evenly over all its documents "
+        "(default), or its first documents in split order (the cut of sweeps begun before this flag)",
+    )
+
+
+def heldout_sample_setting(args: argparse.Namespace) -> dict:
+    """`heldout_sample` for a sweep's manifest, left out for `first` so that a sweep begun before the
+    flag existed (its manifest has no such key) resumes with `--heldout-sample first`."""
+    sample = getattr(args, "heldout_sample", "first")
+    return {} if sample == "first" else dict(heldout_sample=sample)
 
 
 def corpus_settings(args: argparse.Namespace) -> dict:
     """The corpus flags a sweep's manifest records (none without `--corpus`, as before it existed)."""
     if getattr(args, "corpus", None) is None:
         return {}
-    return dict(corpus=str(Path(args.corpus).resolve()), heldout_tokens=args.heldout_tokens)
+    settings = dict(corpus=str(Path(args.corpus).resolve()), heldout_tokens=args.heldout_tokens)
+    return settings | heldout_sample_setting(args)
 
 
 # ---------------------------------------------------------------------------------------------- windows
@@ -339,7 +364,10 @@ def load_corpus(args: argparse.Namespace) -> dict:
     for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
         train_tokens[cell] = train_tokens.get(cell, 0) + length
     limits = heldout_limits(train_tokens, args.heldout_tokens, args.context)
-    heldout = heldout_documents(ids["held_out"], limits)
+    if args.heldout_sample == "first":
+        heldout = heldout_documents(ids["held_out"], limits)
+    else:
+        heldout = spread_windows(ids["held_out"], limits, args.context)
     sizes = {}
     for cell, ids in heldout:
         sizes[cell] = sizes.get(cell, 0) + len(ids)
@@ -360,6 +388,8 @@ def window_cells(data: dict, picked: numpy.ndarray) -> list[str]:
 # ------------------------------------------------------------------------------------------------ bytes
 
 HELDOUT_BYTES = 1 << 15
+# Bytes per document of a spread byte held-out sample (`spread_texts`).
+SPREAD_PIECE_BYTES = 1024
 
 
 class ByteIds:
@@ -393,6 +423,23 @@ def heldout_texts(split, limit: int) -> dict[str, str]:
     }
 
 
+def spread_texts(split, limit: int) -> dict[str, str]:
+    """ "language/kind" -> `limit` bytes of the cell's held-out documents, taken as the first
+    `limit / n` bytes of n documents spread evenly over the cell (n = `limit // SPREAD_PIECE_BYTES`, at
+    most the cell's documents), joined by line breaks, cut at a character boundary."""
+    members: dict[str, list[int]] = {}
+    for index, (language, kind) in enumerate(zip(split["language"], split["kind"], strict=True)):
+        members.setdefault(f"{language}/{kind}", []).append(index)
+    texts = {}
+    for cell, indices in sorted(members.items()):
+        count = min(len(indices), max(1, limit // SPREAD_PIECE_BYTES))
+        picked = numpy.linspace(0, len(indices) - 1, count).round().astype(numpy.int64)
+        piece = -(-limit // count)
+        pieces = [split[indices[index]]["text"].encode("utf-8")[:piece] for index in picked.tolist()]
+        texts[cell] = b"\n".join(pieces)[:limit].decode("utf-8", errors="ignore")
+    return texts
+
+
 def load_byte_corpus(args: argparse.Namespace) -> dict:
     """The LSLM reproduction's data from `args.corpus`: `windows` of `args.context` bytes of the train split
     (read without replacement, as `load_corpus`'s), `heldout` texts per "language/kind" cell
@@ -413,7 +460,8 @@ def load_byte_corpus(args: argparse.Namespace) -> dict:
     cells = (f"{language}/{kind}" for language, kind in zip(train["language"], train["kind"], strict=True))
     for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
         train_bytes[cell] = train_bytes.get(cell, 0) + length
-    heldout = heldout_texts(corpus["held_out"], args.heldout_bytes)
+    sample = spread_texts if getattr(args, "heldout_sample", "first") == "spread" else heldout_texts
+    heldout = sample(corpus["held_out"], args.heldout_bytes)
     print(f"corpus {folder}: train {len(tokens)} bytes {dict(sorted(train_bytes.items()))}, "
           f"{len(windows)} windows of {args.context}; held-out bytes per cell {args.heldout_bytes}",
           flush=True)  # fmt: skip

@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pack.add_argument("--bytes", type=int, default=8_000_000, help="training bytes packed for the LSLM")
     pack.add_argument("--heldout-tokens", type=int, default=32_768)
     pack.add_argument("--heldout-bytes", type=int, default=8192, help="held-out bytes per cell (LSLM)")
+    corpus_data.add_heldout_sample_flag(pack)
     run = commands.add_parser("run", help="train and score each family's arm (on the device)")
     run.add_argument("--pack", required=True)
     run.add_argument("--out", required=True)
@@ -97,7 +98,7 @@ def pack(args: argparse.Namespace) -> Path:
     """Write the pack (see the module docstring) and return its folder."""
     shared = argparse.Namespace(
         corpus=args.corpus, context=args.context, heldout_tokens=args.heldout_tokens,
-        heldout_bytes=args.heldout_bytes,
+        heldout_bytes=args.heldout_bytes, heldout_sample=args.heldout_sample,
     )  # fmt: skip
     out = Path(args.out)
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")

@@ -8,16 +8,17 @@ It loads a model a sweep saved (the pretrained sources under `DIR/models`), rebu
 - `read`: windows spread evenly over the ones it trained on,
 - `unread`: the next windows of its order (train documents, never seen),
 - `validation`: the validation split (other documents), cut as the held-out one is,
-- `held-out`: the runner's own held-out set (the figure its record holds, as a check): each cell's first
-  documents,
+- `held-out`: the runner's own held-out set (the figure its record holds, as a check), cut by
+  `--heldout-sample` (give `first` for a model of a sweep begun before that flag: each cell's first
+  documents),
 - `validation, spread` and `held-out, spread`: windows spread evenly over *all* of a cell's documents in
-  those splits (the runners' held-out set rests on 1 to 58 documents per cell),
+  those splits (the `first` cut rests on 1 to 58 documents per cell),
 
 each with the held-out set's tokens per cell (`--heldout-tokens`, shared as the runners share it), so
 that the pooled figures are over one mix.
 
 `read` ≈ `unread` means nothing was memorised; `unread` < `validation` ≈ `held-out` then means the gap is
-the other documents' text (a book, a man page, a poem file the model never saw the like of), which more
+the other documents' text (a book, a man page, a poem collection the model never saw the like of), which more
 steps on the train documents do not close. Nothing here is a choice: no figure feeds a setting.
 
     .venv/bin/python benchmarks/heldout_gap.py --corpus /work/cache/corpus \
@@ -104,12 +105,15 @@ def split_ids(args: argparse.Namespace) -> dict:
 def other_documents(
     data: dict, ids: dict, args: argparse.Namespace
 ) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """The validation split cut as `load_corpus` cuts the held-out one (each cell's first documents, the
-    same tokens per cell), and both splits' windows spread over all their documents
+    """The validation split cut as `load_corpus` cuts the held-out one (`--heldout-sample`, the same
+    tokens per cell), and both splits' windows spread over all their documents
     (`corpus_data.spread_windows`, as many per cell)."""
     limits = corpus_data.heldout_limits(data["train_tokens"], args.heldout_tokens, args.context)
+    first = args.heldout_sample == "first"
     return {
-        "validation": corpus_data.heldout_documents(ids["validation"], limits),
+        "validation": corpus_data.heldout_documents(ids["validation"], limits)
+        if first
+        else corpus_data.spread_windows(ids["validation"], limits, args.context),
         "validation, spread": corpus_data.spread_windows(ids["validation"], limits, args.context),
         "held-out, spread": corpus_data.spread_windows(ids["held_out"], limits, args.context),
     }

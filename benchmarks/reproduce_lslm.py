@@ -50,11 +50,12 @@ cut at a line start; the models then train on the rest): the only data any tunin
 `--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (issue 27):
 batches are windows of `--context` bytes of its train split, each read at most once, in the seed's order
 (every model of a seed reads the same ones; `benchmarks/corpus_data.py`), so no byte is seen twice and a
-run asking for more windows than the split has is refused; scored are the first `--heldout-bytes` bytes
-of each language/kind cell of its held_out split, and every table is per cell. Each run also prints its
-`gap`: held-out minus training cross-entropy of the bytes in nats per byte (the held-out figure over all
-ids, cells weighted by their share of the training bytes, against the training batches' over the last 5%
-of the steps).
+run asking for more windows than the split has is refused; scored are `--heldout-bytes` bytes of each
+language/kind cell of its held_out split, spread over the cell's documents (`--heldout-sample first`:
+its first documents, the cut of sweeps begun before the flag), and every table is per cell. Each run
+also prints its `gap`: held-out minus training cross-entropy of the bytes in nats per byte (the held-out
+figure over all ids, cells weighted by their share of the training bytes, against the training batches'
+over the last 5% of the steps).
 
 `--sweep-dir DIR` runs the same models as a resumable sweep (`hf_concept.training.sweep`): a manifest
 of the runs (model, seed and the flags that change a result), a checkpoint of each run every
@@ -152,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=corpus_data.HELDOUT_BYTES,
         help="with --corpus: bytes scored per cell",
     )
+    corpus_data.add_heldout_sample_flag(parser)
     sweep.add_sweep_flags(parser)
     args = parser.parse_args(argv)
     sweep.check_sweep_flags(parser, args)
@@ -360,6 +362,7 @@ def run_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
     settings = {field: getattr(args, field) for field in fields}
     if args.corpus:
         settings.update(corpus=str(Path(args.corpus).resolve()), heldout_bytes=args.heldout_bytes)
+        settings.update(corpus_data.heldout_sample_setting(args))
     return sweep.RunSpec("lslm", name, seed, settings)
 
 

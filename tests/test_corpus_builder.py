@@ -18,7 +18,7 @@ import pytest
 from datasets import load_from_disk
 
 from hf_concept import cli
-from hf_concept.data import corpus_builder, corpus_sources
+from hf_concept.data import corpus_builder, corpus_extract, corpus_sources
 from hf_concept.data.corpus_builder import SPLITS, build_corpus, normalise_line, split_of
 
 SOURCES = [
@@ -186,14 +186,14 @@ def test_columns_values_and_provenance(built: Path) -> None:
         ("libreoffice-help-ja", "ja", "technical"),
     }
     documents = {row["document"]: row["text"] for row in rows}
-    # 6 + 1 HTML pages, 2 novels, 3 books, 1 poem file (no strains), 3 man pages (no redirect), 2 packages
+    # 6 + 1 HTML pages, 2 novels, 3 books, 1 run of poems (no strains), 3 man pages (no redirect), 2 packages
     assert len(documents) == 18
     assert "Navigation sidebar" not in "".join(documents.values()) and "var x" not in "".join(
         documents.values()
     )
     assert documents["bible-kjv-text:Exo"] == "Now these are the names of the children of Israel."
     assert (
-        documents["chinese-poetry:package/dist/shijing/shijing.json"]
+        documents["chinese-poetry:package/dist/shijing/shijing.json#0"]
         == "关雎\n关关雎鸠，在河之洲。\n窈窕淑女，君子好逑。"
     )
     man = documents["manpages-ja:usr/share/man/ja/man1/cp.1.gz"]
@@ -227,6 +227,41 @@ def test_repeated_lines_removed_and_no_leak_between_splits(built: Path) -> None:
         assert not set(corpus[other]["document"]) & set(corpus["train"]["document"])
         assert not _lines(corpus[other]) & _lines(corpus["train"])
         assert all(split_of(document) == other for document in corpus[other]["document"])
+
+
+def test_a_poem_collection_is_cut_into_runs_of_whole_poems_spread_over_the_splits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collection kept whole in one file (as chinese-poetry keeps its Yuan qu) becomes documents of
+    whole entries of at least the budget each, in order, and they land in more than one split: a file as
+    the split unit put a whole genre in one split. A file whose top level is a dict is one entry."""
+    dist = tmp_path / "chinese-poetry/package/dist"
+    (dist / "yuanqu").mkdir(parents=True)
+    pieces = [
+        {"title": f"曲{index}", "author": "无名", "paragraphs": [f"第{index}首，一句。", f"又{index}句。"]}
+        for index in range(400)
+    ]
+    (dist / "yuanqu/yuanqu.json").write_text(json.dumps(pieces, ensure_ascii=False), encoding="utf-8")
+    book = {"title": "蒙学", "content": [{"chapter": "一", "paragraphs": ["人之初，性本善。"]}]}
+    (dist / "yuanqu/book.json").write_text(json.dumps(book, ensure_ascii=False), encoding="utf-8")
+    monkeypatch.setattr(corpus_extract, "POETRY_DOCUMENT_BYTES", 300)
+    source = next(source for source in corpus_sources.SOURCES if source.name == "chinese-poetry")
+    documents = list(corpus_extract.extract_source(source, tmp_path, progress=False))
+    assert documents[0].document == "chinese-poetry:package/dist/yuanqu/book.json#0"
+    assert documents[0].text == "蒙学\n一\n人之初，性本善。"
+    runs = documents[1:]
+    assert [run.document for run in runs] == [
+        f"chinese-poetry:package/dist/yuanqu/yuanqu.json#{index}" for index in range(len(runs))
+    ]
+    entries = ["\n".join([piece["title"], *piece["paragraphs"]]) for piece in pieces]
+    assert "\n".join(run.text for run in runs) == "\n".join(entries)
+    for run in runs:
+        # Every run starts at a title and ends at an entry's last line; all but the last reach the budget.
+        lines = run.text.split("\n")
+        assert lines[0].startswith("曲") and lines[-1].startswith("又")
+    assert all(len(run.text.encode()) + 1 >= 300 for run in runs[:-1])
+    assert 10 < len(runs) < 400
+    assert len({split_of(run.document) for run in runs}) > 1
 
 
 def test_two_builds_are_identical(built: Path, package_root: Path, tmp_path: Path) -> None:

