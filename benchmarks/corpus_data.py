@@ -88,10 +88,15 @@ def add_heldout_sample_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def heldout_sample(args: argparse.Namespace) -> str:
+    """`args.heldout_sample`, the default (`spread`) for a namespace built without it."""
+    return getattr(args, "heldout_sample", HELDOUT_SAMPLES[0])
+
+
 def heldout_sample_setting(args: argparse.Namespace) -> dict:
     """`heldout_sample` for a sweep's manifest, left out for `first` so that a sweep begun before the
     flag existed (its manifest has no such key) resumes with `--heldout-sample first`."""
-    sample = getattr(args, "heldout_sample", "first")
+    sample = heldout_sample(args)
     return {} if sample == "first" else dict(heldout_sample=sample)
 
 
@@ -364,7 +369,7 @@ def load_corpus(args: argparse.Namespace) -> dict:
     for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
         train_tokens[cell] = train_tokens.get(cell, 0) + length
     limits = heldout_limits(train_tokens, args.heldout_tokens, args.context)
-    if args.heldout_sample == "first":
+    if heldout_sample(args) == "first":
         heldout = heldout_documents(ids["held_out"], limits)
     else:
         heldout = spread_windows(ids["held_out"], limits, args.context)
@@ -460,8 +465,8 @@ def load_byte_corpus(args: argparse.Namespace) -> dict:
     cells = (f"{language}/{kind}" for language, kind in zip(train["language"], train["kind"], strict=True))
     for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
         train_bytes[cell] = train_bytes.get(cell, 0) + length
-    sample = spread_texts if getattr(args, "heldout_sample", "first") == "spread" else heldout_texts
-    heldout = sample(corpus["held_out"], args.heldout_bytes)
+    cut = heldout_texts if heldout_sample(args) == "first" else spread_texts
+    heldout = cut(corpus["held_out"], args.heldout_bytes)
     print(f"corpus {folder}: train {len(tokens)} bytes {dict(sorted(train_bytes.items()))}, "
           f"{len(windows)} windows of {args.context}; held-out bytes per cell {args.heldout_bytes}",
           flush=True)  # fmt: skip

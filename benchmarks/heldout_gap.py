@@ -109,7 +109,7 @@ def other_documents(
     tokens per cell), and both splits' windows spread over all their documents
     (`corpus_data.spread_windows`, as many per cell)."""
     limits = corpus_data.heldout_limits(data["train_tokens"], args.heldout_tokens, args.context)
-    first = args.heldout_sample == "first"
+    first = corpus_data.heldout_sample(args) == "first"
     return {
         "validation": corpus_data.heldout_documents(ids["validation"], limits)
         if first
