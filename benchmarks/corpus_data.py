@@ -50,7 +50,7 @@ import eval_bits_per_byte as runner
 SPLITS = ("train", "validation", "held_out")
 SAMPLE_CHARACTERS = 1_000_000
 HELDOUT_TOKENS = 1 << 19
-# How a cell's held-out text is taken (`--heldout-sample`); the first is the default.
+# How a cell's held-out text is taken (`--heldout-sample`); the default is `spread`, listed first.
 HELDOUT_SAMPLES = ("spread", "first")
 MAP_BATCH = 64
 
@@ -307,6 +307,24 @@ def flat_ids(split) -> tuple[numpy.ndarray, numpy.ndarray]:
     return column.flatten().to_numpy(zero_copy_only=False), offsets
 
 
+def cells_of(split) -> list[str]:
+    """Each document's "language/kind" cell."""
+    return [f"{language}/{kind}" for language, kind in zip(split["language"], split["kind"], strict=True)]
+
+
+def cell_sizes(cells: Sequence[str], offsets: numpy.ndarray) -> dict[str, int]:
+    """Tokens (or bytes) per cell, sorted by cell, of the documents with these cells and offsets (D + 1,)."""
+    sizes: dict[str, int] = {}
+    for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
+        sizes[cell] = sizes.get(cell, 0) + length
+    return dict(sorted(sizes.items()))
+
+
+def evenly_spaced(length: int, count: int) -> numpy.ndarray:
+    """`count` indices into `length` items, spread evenly, the first and the last included."""
+    return numpy.linspace(0, length - 1, count).round().astype(numpy.int64)
+
+
 def heldout_limits(train_tokens: dict[str, int], total: int, context: int) -> dict[str, int]:
     """Held-out tokens per cell: `total` shared in proportion to the cells' train tokens, at least
     `context` each (a cell too small for its share still gets one window)."""
@@ -320,8 +338,7 @@ def heldout_documents(split, limits: dict[str, int]) -> list[tuple[str, torch.Te
     tokens, offsets = flat_ids(split)
     taken: dict[str, int] = {}
     documents = []
-    for index, (language, kind) in enumerate(zip(split["language"], split["kind"], strict=True)):
-        cell = f"{language}/{kind}"
+    for index, cell in enumerate(cells_of(split)):
         room = limits.get(cell, 0) - taken.get(cell, 0)
         ids = tokens[offsets[index] : offsets[index + 1]][:room]
         if len(ids) > 0:
@@ -336,15 +353,14 @@ def spread_windows(split, limits: dict[str, int], context: int) -> list[tuple[st
     that every document of a cell has its share, where `heldout_documents` takes the first documents."""
     tokens, offsets = flat_ids(split)
     windows = WindowOrder(tokens, offsets, context)
-    pairs = zip(split["language"], split["kind"], strict=True)
-    of_window = numpy.array([f"{language}/{kind}" for language, kind in pairs])[windows.documents(offsets)]
+    of_window = numpy.array(cells_of(split))[windows.documents(offsets)]
     chosen = []
     for cell, limit in sorted(limits.items()):
         indices = numpy.flatnonzero(of_window == cell)
         if len(indices) == 0:
             continue
         count = min(len(indices), -(-limit // context))
-        for index in indices[numpy.linspace(0, len(indices) - 1, count).round().astype(numpy.int64)].tolist():
+        for index in indices[evenly_spaced(len(indices), count)].tolist():
             chosen.append((cell, windows.ids(index)))
     return chosen
 
@@ -364,10 +380,8 @@ def load_corpus(args: argparse.Namespace) -> dict:
     train = ids["train"]
     tokens, offsets = flat_ids(train)
     windows = WindowOrder(tokens, offsets, args.context)
-    cells = [f"{language}/{kind}" for language, kind in zip(train["language"], train["kind"], strict=True)]
-    train_tokens: dict[str, int] = {}
-    for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
-        train_tokens[cell] = train_tokens.get(cell, 0) + length
+    cells = cells_of(train)
+    train_tokens = cell_sizes(cells, offsets)
     limits = heldout_limits(train_tokens, args.heldout_tokens, args.context)
     if heldout_sample(args) == "first":
         heldout = heldout_documents(ids["held_out"], limits)
@@ -376,11 +390,11 @@ def load_corpus(args: argparse.Namespace) -> dict:
     sizes = {}
     for cell, ids in heldout:
         sizes[cell] = sizes.get(cell, 0) + len(ids)
-    print(f"corpus {folder}: train {len(tokens)} tokens {dict(sorted(train_tokens.items()))}, "
+    print(f"corpus {folder}: train {len(tokens)} tokens {train_tokens}, "
           f"{len(windows)} windows of {args.context}; held-out tokens {sizes}", flush=True)  # fmt: skip
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return dict(rows=None, windows=windows, heldout=heldout, vocab_size=len(tokenizer), pad_id=pad_id,
-                heldout_tokens=sizes, train_tokens=dict(sorted(train_tokens.items())),
+                heldout_tokens=sizes, train_tokens=train_tokens,
                 document_cells=cells, document_offsets=offsets)  # fmt: skip
 
 
@@ -417,8 +431,7 @@ def heldout_texts(split, limit: int) -> dict[str, str]:
     line breaks, cut at a character boundary."""
     pieces: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
-    for text, language, kind in zip(split["text"], split["language"], split["kind"], strict=True):
-        cell = f"{language}/{kind}"
+    for text, cell in zip(split["text"], cells_of(split), strict=True):
         if sizes.get(cell, 0) < limit:
             pieces.setdefault(cell, []).append(text)
             sizes[cell] = sizes.get(cell, 0) + len(text.encode("utf-8")) + 1
@@ -433,12 +446,12 @@ def spread_texts(split, limit: int) -> dict[str, str]:
     `limit / n` bytes of n documents spread evenly over the cell (n = `limit // SPREAD_PIECE_BYTES`, at
     most the cell's documents), joined by line breaks, cut at a character boundary."""
     members: dict[str, list[int]] = {}
-    for index, (language, kind) in enumerate(zip(split["language"], split["kind"], strict=True)):
-        members.setdefault(f"{language}/{kind}", []).append(index)
+    for index, cell in enumerate(cells_of(split)):
+        members.setdefault(cell, []).append(index)
     texts = {}
     for cell, indices in sorted(members.items()):
         count = min(len(indices), max(1, limit // SPREAD_PIECE_BYTES))
-        picked = numpy.linspace(0, len(indices) - 1, count).round().astype(numpy.int64)
+        picked = evenly_spaced(len(indices), count)
         piece = -(-limit // count)
         pieces = [split[indices[index]]["text"].encode("utf-8")[:piece] for index in picked.tolist()]
         texts[cell] = b"\n".join(pieces)[:limit].decode("utf-8", errors="ignore")
@@ -461,13 +474,10 @@ def load_byte_corpus(args: argparse.Namespace) -> dict:
     train = tokenized(corpus["train"], ByteIds(), cache)
     tokens, offsets = flat_ids(train)
     windows = WindowOrder(tokens, offsets, args.context)
-    train_bytes: dict[str, int] = {}
-    cells = (f"{language}/{kind}" for language, kind in zip(train["language"], train["kind"], strict=True))
-    for cell, length in zip(cells, numpy.diff(offsets).tolist(), strict=True):
-        train_bytes[cell] = train_bytes.get(cell, 0) + length
+    train_bytes = cell_sizes(cells_of(train), offsets)
     cut = heldout_texts if heldout_sample(args) == "first" else spread_texts
     heldout = cut(corpus["held_out"], args.heldout_bytes)
-    print(f"corpus {folder}: train {len(tokens)} bytes {dict(sorted(train_bytes.items()))}, "
+    print(f"corpus {folder}: train {len(tokens)} bytes {train_bytes}, "
           f"{len(windows)} windows of {args.context}; held-out bytes per cell {args.heldout_bytes}",
           flush=True)  # fmt: skip
-    return dict(rows=None, windows=windows, heldout=heldout, train_bytes=dict(sorted(train_bytes.items())))
+    return dict(rows=None, windows=windows, heldout=heldout, train_bytes=train_bytes)

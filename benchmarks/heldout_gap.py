@@ -85,7 +85,7 @@ def train_samples(data: dict, args: argparse.Namespace) -> dict[str, list[tuple[
         if len(read) < count or len(unread) < count:
             raise SystemExit(f"cell {cell}: {count} windows needed, {len(read)} read and {len(unread)} "
                              "unread in the train split")  # fmt: skip
-        spread = read[numpy.linspace(0, len(read) - 1, count).round().astype(numpy.int64)]
+        spread = read[corpus_data.evenly_spaced(len(read), count)]
         for name, picked in (("read", spread), ("unread", unread)):
             samples[name] += [(cell, windows.ids(index)) for index in picked.tolist()]
     return samples
@@ -107,16 +107,16 @@ def other_documents(
 ) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """The validation split cut as `load_corpus` cuts the held-out one (`--heldout-sample`, the same
     tokens per cell), and both splits' windows spread over all their documents
-    (`corpus_data.spread_windows`, as many per cell)."""
+    (`corpus_data.spread_windows`, as many per cell). Under `spread` a cut and its spread sample are the
+    same list (the runner's held-out set is `data["heldout"]`), which `main` scores once."""
     limits = corpus_data.heldout_limits(data["train_tokens"], args.heldout_tokens, args.context)
-    first = corpus_data.heldout_sample(args) == "first"
-    return {
-        "validation": corpus_data.heldout_documents(ids["validation"], limits)
-        if first
-        else corpus_data.spread_windows(ids["validation"], limits, args.context),
-        "validation, spread": corpus_data.spread_windows(ids["validation"], limits, args.context),
-        "held-out, spread": corpus_data.spread_windows(ids["held_out"], limits, args.context),
-    }
+    validation = corpus_data.spread_windows(ids["validation"], limits, args.context)
+    if corpus_data.heldout_sample(args) == "first":
+        heldout = corpus_data.spread_windows(ids["held_out"], limits, args.context)
+        cut = corpus_data.heldout_documents(ids["validation"], limits)
+    else:
+        heldout, cut = data["heldout"], validation
+    return {"validation": cut, "validation, spread": validation, "held-out, spread": heldout}
 
 
 def collection_of(document: str) -> str:
@@ -181,7 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
     ids = split_ids(args)
     documents = dict(train_samples(data, args), **other_documents(data, ids, args))
     documents["held-out"] = data["heldout"]
-    figures = {name: score(model, documents[name], args.context) for name in SPLITS}
+    # A list two names share (see `other_documents`) is scored once.
+    scored: dict[int, dict] = {}
+    for name in SPLITS:
+        if id(documents[name]) not in scored:
+            scored[id(documents[name])] = score(model, documents[name], args.context)
+    figures = {name: scored[id(documents[name])] for name in SPLITS}
     print_table(figures)
     collections = by_collection(model, ids, args) if args.by_collection else None
     record = dict(model=args.model, splits=figures, collections=collections)
