@@ -19,6 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_bits_per_byte as runner
 import reproduce_dlcm
+from eval_bits_per_byte import signed_cell as signed
+from eval_bits_per_byte import table_differences as paired
+from eval_bits_per_byte import table_values as values
 
 TARGET_RATIO = 2.0
 CT_RATIOS = (1.5, 2.0)
@@ -72,20 +75,6 @@ def ct_figures(runs: list[dict]) -> dict[str, dict[int, dict]]:
             figures = dict(model["heldout"], converted_loss=model["converted"]["loss"])
             table.setdefault(model["name"], {})[entry["seed"]] = figures
     return table
-
-
-def values(table: dict[str, dict[int, dict]], name: str, key: str) -> list[float]:
-    return [figures[key] for _, figures in sorted(table[name].items())]
-
-
-def paired(table: dict[str, dict[int, dict]], name: str, baseline: str, key: str) -> list[float]:
-    """Per seed: `name`'s `key` minus `baseline`'s (same seed, same batches)."""
-    return [table[name][seed][key] - table[baseline][seed][key] for seed in sorted(table[name])]
-
-
-def signed(values_: list[float], digits: int = 4) -> str:
-    mean, std = runner.mean_std(values_)
-    return f"{mean:+.{digits}f} ± {std:.{digits}f}"
 
 
 def delta(table: dict[str, dict[int, dict]], name: str, baseline: str, key: str) -> str:

@@ -246,6 +246,25 @@ def cell(values: list[float], digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def table_values(table: dict[str, dict[int, dict]], name: str, key: str) -> list[float]:
+    """`key` of configuration `name` per seed, in seed order, from a table name → seed → figures."""
+    return [figures[key] for _, figures in sorted(table[name].items())]
+
+
+def table_differences(
+    table: dict[str, dict[int, dict]], name: str, baseline: str, key: str = "loss"
+) -> list[float]:
+    """Per seed of `name`: its `key` minus `baseline`'s at the same seed (same batches), from a table
+    name → seed → figures."""
+    return [table[name][seed][key] - table[baseline][seed][key] for seed in sorted(table[name])]
+
+
+def signed_cell(differences: list[float], digits: int = 4) -> str:
+    """ "+mean ± std" of paired differences."""
+    mean, std = mean_std(differences)
+    return f"{mean:+.{digits}f} ± {std:.{digits}f}"
+
+
 def print_wall_time(args: argparse.Namespace, wall: float) -> None:
     """The reproduction's closing line: wall time, the processes and threads it ran with, torch's version."""
     workers = f"{args.workers} workers x " if hasattr(args, "workers") else ""

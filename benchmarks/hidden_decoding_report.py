@@ -14,6 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_bits_per_byte as runner
 import reproduce_dlcm
+from eval_bits_per_byte import signed_cell as signed
+from eval_bits_per_byte import table_differences as paired
+from eval_bits_per_byte import table_values as values
 
 BASELINE = "source continued"
 NOT_RUN = "not run"
@@ -72,20 +75,6 @@ def figures(runs: list[dict]) -> dict[str, dict[int, dict]]:
                 converted=run["converted"], loss=run["heldout"]
             )
     return table
-
-
-def values(table: dict, name: str, key: str) -> list[float]:
-    return [entry[key] for _, entry in sorted(table[name].items())]
-
-
-def paired(table: dict, name: str, baseline: str, key: str = "loss") -> list[float]:
-    """Per seed: `name`'s `key` minus `baseline`'s (same seed, same source, same batches)."""
-    return [table[name][seed][key] - table[baseline][seed][key] for seed in sorted(table[name])]
-
-
-def signed(differences: list[float], digits: int = 4) -> str:
-    mean, std = runner.mean_std(differences)
-    return f"{mean:+.{digits}f} ± {std:.{digits}f}"
 
 
 def print_table(title: str, rows: tuple, table: dict) -> None:
