@@ -49,7 +49,7 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         values += list(heldout["concept_length"].values()) + list(heldout["loss_by_type"].values())
         assert all(math.isfinite(value) and value > 0 for value in values), heldout
         assert set(run["curve"]["inference_ratio"]) == {"0.1", "0.25", "0.5", "0.75", "1"}
-    assert len(figures["directions"]) == 4
+    assert len(figures["directions"]) == 5
     if importlib.util.find_spec("matplotlib") is not None:
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figures["png"] == str(picture)
     else:
