@@ -25,8 +25,11 @@ columns text, language, kind, source, document. From it:
   so the first documents are the first collections, not a sample of the cell). The pooled held-out loss
   is then over the training mixture, so that `gap` = held-out − training loss measures overfitting, not
   the difference between two mixtures (classical Chinese is ~70% of the train tokens). The LSLM's byte
-  held-out text per cell is taken the same way (`heldout_texts`, `spread_texts`). The validation split
-  is the one to use for a choice; these scripts make none.
+  held-out text per cell is taken the same way: `first`, its first bytes (`heldout_texts`); `spread`,
+  1 KB pieces spread evenly over all of its documents' text, cut as the train windows are
+  (`spread_texts`; the LSLM's first second-cut sweep took the first KB of n documents instead, which
+  over-weights document starts). The validation split is the one to use for a choice; these scripts
+  make none.
 """
 
 from __future__ import annotations
@@ -312,6 +315,14 @@ def cells_of(split) -> list[str]:
     return [f"{language}/{kind}" for language, kind in zip(split["language"], split["kind"], strict=True)]
 
 
+def cell_members(split) -> dict[str, list[int]]:
+    """Each cell's document indices, in split order."""
+    members: dict[str, list[int]] = {}
+    for index, cell in enumerate(cells_of(split)):
+        members.setdefault(cell, []).append(index)
+    return members
+
+
 def cell_sizes(cells: Sequence[str], offsets: numpy.ndarray) -> dict[str, int]:
     """Tokens (or bytes) per cell, sorted by cell, of the documents with these cells and offsets (D + 1,)."""
     sizes: dict[str, int] = {}
@@ -407,7 +418,7 @@ def window_cells(data: dict, picked: numpy.ndarray) -> list[str]:
 # ------------------------------------------------------------------------------------------------ bytes
 
 HELDOUT_BYTES = 1 << 15
-# Bytes per document of a spread byte held-out sample (`spread_texts`).
+# Bytes per piece of a spread byte held-out sample (`spread_texts`).
 SPREAD_PIECE_BYTES = 1024
 
 
@@ -441,20 +452,31 @@ def heldout_texts(split, limit: int) -> dict[str, str]:
     }
 
 
-def spread_texts(split, limit: int) -> dict[str, str]:
-    """ "language/kind" -> `limit` bytes of the cell's held-out documents, taken as the first
-    `limit / n` bytes of n documents spread evenly over the cell (n = `limit // SPREAD_PIECE_BYTES`, at
-    most the cell's documents), joined by line breaks, cut at a character boundary."""
-    members: dict[str, list[int]] = {}
-    for index, cell in enumerate(cells_of(split)):
-        members.setdefault(cell, []).append(index)
+def document_pieces(text: str, context: int) -> list[bytes]:
+    """`text`'s UTF-8 bytes cut from its start into pieces of `SPREAD_PIECE_BYTES`; a last piece shorter
+    than `context` is dropped, as the train windows drop a document's remainder."""
+    data = text.encode("utf-8")
+    pieces = [data[start : start + SPREAD_PIECE_BYTES] for start in range(0, len(data), SPREAD_PIECE_BYTES)]
+    return [piece for piece in pieces if len(piece) >= context]
+
+
+def spread_texts(split, limit: int, context: int) -> dict[str, str]:
+    """ "language/kind" -> about `limit` bytes of the cell's held-out text, in pieces spread evenly over
+    all of it: every document cut into `document_pieces`, then as many of the cell's pieces, evenly
+    spaced, as make `limit` bytes at their mean length (all of them in a smaller cell), each trimmed to
+    whole characters, joined by line breaks and cut to `limit` bytes at a character boundary. A
+    document's start is then as likely to be scored as any other piece of it, as in the train windows;
+    a cell whose documents are all shorter than `context` is left out, as it has no train windows."""
     texts = {}
-    for cell, indices in sorted(members.items()):
-        count = min(len(indices), max(1, limit // SPREAD_PIECE_BYTES))
-        picked = evenly_spaced(len(indices), count)
-        piece = -(-limit // count)
-        pieces = [split[indices[index]]["text"].encode("utf-8")[:piece] for index in picked.tolist()]
-        texts[cell] = b"\n".join(pieces)[:limit].decode("utf-8", errors="ignore")
+    for cell, members in sorted(cell_members(split).items()):
+        pieces = [piece for index in members for piece in document_pieces(split[index]["text"], context)]
+        if not pieces:
+            continue
+        mean = sum(map(len, pieces)) / len(pieces)
+        count = min(len(pieces), max(1, -(-limit // round(mean))))
+        picked = evenly_spaced(len(pieces), count).tolist()
+        chosen = [pieces[index].decode("utf-8", errors="ignore") for index in picked]
+        texts[cell] = "\n".join(chosen).encode("utf-8")[:limit].decode("utf-8", errors="ignore")
     return texts
 
 
@@ -475,8 +497,10 @@ def load_byte_corpus(args: argparse.Namespace) -> dict:
     tokens, offsets = flat_ids(train)
     windows = WindowOrder(tokens, offsets, args.context)
     train_bytes = cell_sizes(cells_of(train), offsets)
-    cut = heldout_texts if heldout_sample(args) == "first" else spread_texts
-    heldout = cut(corpus["held_out"], args.heldout_bytes)
+    if heldout_sample(args) == "first":
+        heldout = heldout_texts(corpus["held_out"], args.heldout_bytes)
+    else:
+        heldout = spread_texts(corpus["held_out"], args.heldout_bytes, args.context)
     print(f"corpus {folder}: train {len(tokens)} bytes {train_bytes}, "
           f"{len(windows)} windows of {args.context}; held-out bytes per cell {args.heldout_bytes}",
           flush=True)  # fmt: skip

@@ -51,11 +51,11 @@ cut at a line start; the models then train on the rest): the only data any tunin
 batches are windows of `--context` bytes of its train split, each read at most once, in the seed's order
 (every model of a seed reads the same ones; `benchmarks/corpus_data.py`), so no byte is seen twice and a
 run asking for more windows than the split has is refused; scored are `--heldout-bytes` bytes of each
-language/kind cell of its held_out split, spread over the cell's documents (`--heldout-sample first`:
-its first documents, the cut of sweeps begun before the flag), and every table is per cell. Each run
-also prints its `gap`: held-out minus training cross-entropy of the bytes in nats per byte (the held-out
-figure over all ids, cells weighted by their share of the training bytes, against the training batches'
-over the last 5% of the steps).
+language/kind cell of its held_out split, in 1 KB pieces spread over all of the cell's text
+(`--heldout-sample first`: its first documents, the cut of sweeps begun before the flag), and every
+table is per cell. Each run also prints its `gap`: held-out minus training cross-entropy of the bytes in
+nats per byte (the held-out figure over all ids, cells weighted by their share of the training bytes,
+against the training batches' over the last 5% of the steps).
 
 `--sweep-dir DIR` runs the same models as a resumable sweep (`hf_concept.training.sweep`): a manifest
 of the runs (model, seed and the flags that change a result), a checkpoint of each run every
@@ -363,6 +363,10 @@ def run_spec(args: argparse.Namespace, name: str, seed: int) -> sweep.RunSpec:
     if args.corpus:
         settings.update(corpus=str(Path(args.corpus).resolve()), heldout_bytes=args.heldout_bytes)
         settings.update(corpus_data.heldout_sample_setting(args))
+        if corpus_data.heldout_sample(args) == "spread":
+            # The spread sample's pieces come from anywhere in a document since this setting; a sweep
+            # begun with the first KB of each document (no such key) does not resume under it.
+            settings.update(heldout_spread="pieces")
     return sweep.RunSpec("lslm", name, seed, settings)
 
 

@@ -208,19 +208,26 @@ def test_byte_ids_and_heldout_texts_of_the_lslm_corpus():
     assert cut == {"en/prose": "ab" * 10 + "\n" + "cd" * 2, "ja/prose": "猫" * 8}
 
 
-def test_the_spread_byte_heldout_takes_the_start_of_documents_spread_over_the_cell(monkeypatch):
+def test_the_spread_byte_heldout_takes_pieces_spread_over_all_of_a_cells_text(monkeypatch):
     import datasets
 
+    texts = ["a" * 30, "b" * 30 + "B" * 5, "c" * 30, "猫" * 10, "x" * 3]
     split = datasets.Dataset.from_dict(
-        dict(text=["a" * 30, "b" * 30, "c" * 30, "猫" * 10], language=["en"] * 3 + ["ja"], kind=["prose"] * 4)
+        dict(text=texts, language=["en"] * 3 + ["ja", "zh"], kind=["prose"] * 5)
     )
     monkeypatch.setattr(corpus_data, "SPREAD_PIECE_BYTES", 10)
-    # 20 bytes: two pieces of 10 from the first and last of en's three documents; ja's one document is
-    # cut at a character boundary.
-    assert corpus_data.spread_texts(split, 20) == {
-        "en/prose": "a" * 10 + "\n" + "c" * 9,
-        "ja/prose": "猫" * 6,
-    }
+    # Pieces of 10 bytes from each document's start; a remainder is kept when it reaches the context.
+    assert corpus_data.document_pieces(texts[1], context=4) == [b"b" * 10] * 3 + [b"B" * 5]
+    assert corpus_data.document_pieces(texts[1], context=6) == [b"b" * 10] * 3
+    spread = corpus_data.spread_texts(split, 25, context=4)
+    # en: 10 pieces of 9.5 bytes on average; 25 bytes take 3, evenly spaced (the first, the fifth, the
+    # last): the middle document's second piece, not its start; cut to 25 bytes with the line breaks.
+    assert spread["en/prose"] == "a" * 10 + "\n" + "b" * 10 + "\n" + "c" * 3
+    # ja: three pieces trimmed to whole characters (a character split between two pieces is dropped);
+    # all three, cut to 25 bytes at a character boundary (the last character would end at byte 26).
+    assert spread["ja/prose"] == "猫猫猫\n猫猫\n猫猫"
+    # zh: its only document is shorter than the context, so it has no train windows and no piece.
+    assert "zh/prose" not in spread
 
 
 @pytest.mark.slow
