@@ -26,10 +26,10 @@ columns text, language, kind, source, document. From it:
   is then over the training mixture, so that `gap` = held-out − training loss measures overfitting, not
   the difference between two mixtures (classical Chinese is ~70% of the train tokens). The LSLM's byte
   held-out text per cell is taken the same way: `first`, its first bytes (`heldout_texts`); `spread`,
-  1 KB pieces spread evenly over all of its documents' text, cut as the train windows are
-  (`spread_texts`; the LSLM's first second-cut sweep took the first KB of n documents instead, which
-  over-weights document starts). The validation split is the one to use for a choice; these scripts
-  make none.
+  1 KB pieces spread evenly over all of its documents' text, a document's remainder shorter than the
+  context dropped as the train windows drop it (`spread_texts`; the LSLM's first second-cut sweep took
+  the first KB of n documents instead, which over-weights document starts). The validation split is the
+  one to use for a choice; these scripts make none.
 """
 
 from __future__ import annotations
@@ -467,9 +467,9 @@ def spread_texts(split, limit: int, context: int) -> dict[str, str]:
     whole characters, joined by line breaks and cut to `limit` bytes at a character boundary. A
     document's start is then as likely to be scored as any other piece of it, as in the train windows;
     a cell whose documents are all shorter than `context` is left out, as it has no train windows."""
-    texts = {}
+    documents, texts = split["text"], {}  # the column read once, not a row per document
     for cell, members in sorted(cell_members(split).items()):
-        pieces = [piece for index in members for piece in document_pieces(split[index]["text"], context)]
+        pieces = [piece for index in members for piece in document_pieces(documents[index], context)]
         if not pieces:
             continue
         mean = sum(map(len, pieces)) / len(pieces)
