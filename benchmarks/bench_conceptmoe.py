@@ -76,6 +76,7 @@ from hf_concept.modeling.concept_cache import ConceptCache
 from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 
 try:
     from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
@@ -303,10 +304,10 @@ def check_cached_decode(model: ConceptMoEForCausalLM, input_ids: torch.Tensor, s
     over prompt + decoded tokens; returns the largest difference (assert_close at 1e-4 otherwise)."""
     with torch.inference_mode():
         output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-        cache, stepped, decoded = output.past_key_values, [output.logits[:, -1]], []
+        cache, stepped, decoded = output_cache(output), [output.logits[:, -1]], []
         for _ in range(steps):
             decoded.append(stepped[-1].argmax(dim=-1, keepdim=True))  # (1, 1)
-            output = model(input_ids=decoded[-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            output = model(input_ids=decoded[-1], **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
             stepped.append(output.logits[:, -1])
         full = model(input_ids=torch.cat([input_ids, *decoded], dim=1), use_cache=False).logits
     expected = full[:, input_ids.shape[1] - 1 :]  # (1, steps + 1, V)
@@ -346,7 +347,7 @@ def run_once(
         start = time.perf_counter()
         output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
-        cache = output.past_key_values
+        cache = output_cache(output)
         kv_bytes = cache_num_bytes(cache)
         ratio = getattr(output, "compression_ratio", None)
         next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
@@ -357,7 +358,7 @@ def run_once(
             on_prefilled()
         start = time.perf_counter()
         for step in range(1, decode_tokens + 1):
-            output = model(input_ids=next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            output = model(input_ids=next_token, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
             next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
             if continuation is not None:
                 next_token = continuation[:, step : step + 1]

@@ -61,6 +61,7 @@ from hf_concept.modeling.replication import (
     replicated_concept_attention,
     run_count_bias,
 )
+from hf_concept.modeling.transformers_compat import output_cache
 
 TARGET_LENGTH = 4096
 TARGET_RATIO = 1.3
@@ -479,8 +480,8 @@ def model_row(dlcm, plain, args: argparse.Namespace, length: int) -> dict[str, f
         "plain_forward": lambda: forward(plain, input_ids),
     }
     medians = interleaved(calls, args.repeats, warm_up=False)
-    dlcm_bytes = cache_num_bytes(dlcm_prefilled.past_key_values) / length
-    plain_bytes = cache_num_bytes(plain_prefilled.past_key_values) / length
+    dlcm_bytes = cache_num_bytes(output_cache(dlcm_prefilled)) / length
+    plain_bytes = cache_num_bytes(output_cache(plain_prefilled)) / length
     return dict(
         length=length,
         realised=realised,

@@ -63,6 +63,7 @@ from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
 from hf_concept.modeling.stream_cache import GROWTH_BLOCK_TOKENS, BlockGrowthLayer
+from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 
 TARGET_STEP_RATIO = 4.6
 # Issue 18: the paper's serving benchmark keeps 83-88% of the source's tokens/s at batch 1.
@@ -243,8 +244,8 @@ def training_step(model, input_ids: torch.Tensor) -> Callable[[], float]:
 
 def prefill(model, input_ids: torch.Tensor, cache: Cache | None = None):
     """(cache, next token (B, 1)) after one cached forward over the prompt (into `cache` if given)."""
-    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return output.past_key_values, output.logits[:, -1].argmax(dim=-1, keepdim=True)
+    output = model(input_ids=input_ids, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
+    return output_cache(output), output.logits[:, -1].argmax(dim=-1, keepdim=True)
 
 
 def block_cache(model) -> Cache:
@@ -267,7 +268,7 @@ def greedy_decode(model, input_ids: torch.Tensor, steps: int, blocks: bool = Fal
             synchronize(input_ids.device)
             start = time.perf_counter()
             for _ in range(steps):
-                output = model(input_ids=next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                output = model(input_ids=next_token, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
                 next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
             synchronize(input_ids.device)
             return time.perf_counter() - start
@@ -430,7 +431,7 @@ def bench_decode_profile(source, args: argparse.Namespace) -> list[dict]:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                     for _ in range(args.decode_tokens):
                         output = model(
-                            input_ids=next_token, past_key_values=cache, use_cache=True, logits_to_keep=1
+                            input_ids=next_token, **cache_kwarg(cache), use_cache=True, logits_to_keep=1
                         )
                         next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
             kinds = step_kinds(profile.key_averages())

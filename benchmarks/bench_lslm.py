@@ -74,6 +74,7 @@ from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.segment_cache import SegmentCache
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, PAD_ID, SEQUENCE_START_ID
+from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 
 POOLINGS = ("mean", "hops:3")
 PARTS = ("decode", "train", "profile")
@@ -457,12 +458,12 @@ def cached_loop(
 ) -> float:
     """Prefill, then one cached forward per continuation byte; returns the seconds of the steps."""
     output = model(input_ids=prompt, use_cache=True)
-    cache = output.past_key_values
+    cache = output_cache(output)
     if timers is not None:
         timers.active = True
     start = time.perf_counter()
     for token in continuation:
-        output = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+        output = model(input_ids=token.view(1, 1), **cache_kwarg(cache), use_cache=True)
         output.logits.argmax(dim=-1)
     seconds = time.perf_counter() - start
     if timers is not None:

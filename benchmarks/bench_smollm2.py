@@ -48,6 +48,7 @@ from hf_concept.data.corpus import corpus_text
 from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+from hf_concept.modeling.transformers_compat import output_cache
 from hf_concept.training.sweep import atomic_write_json
 
 
@@ -118,7 +119,7 @@ def timed_prefill(model: nn.Module, input_ids: torch.Tensor):
 def prefill_figures(model: nn.Module, input_ids: torch.Tensor) -> dict:
     """KV bytes after prefill and, for a ConceptMoE model, the prompt's realised tokens per concept."""
     output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    figures = {"kv_bytes": cache_num_bytes(output.past_key_values)}
+    figures = {"kv_bytes": cache_num_bytes(output_cache(output))}
     # Eval mode: the thresholded boundaries, what generation realises.
     ratio = getattr(output, "inference_compression_ratio", None)
     if ratio is not None:

@@ -68,6 +68,7 @@ from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
+from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 from hf_concept.modeling.varlen import (
     VARLEN_ATTENTION,
     kernel_for,
@@ -521,13 +522,13 @@ def _prefill_decode(model, input_ids: torch.Tensor, args, clock: Clock) -> dict[
     def decode() -> None:
         with torch.no_grad():
             output = prefill()
-            cache = output.past_key_values
+            cache = output_cache(output)
             token = output.logits[:, -1:].argmax(-1)
             clock.sync()
             decode.start = time.perf_counter()
             for _ in range(args.decode_steps):
-                output = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+                output = model(input_ids=token, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
+                cache, token = output_cache(output), output.logits[:, -1:].argmax(-1)
             clock.sync()
             decode.seconds = time.perf_counter() - decode.start
 

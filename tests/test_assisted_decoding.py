@@ -12,6 +12,7 @@ from torch.testing import assert_close
 
 from hf_concept.modeling.family_cache import FamilyCache
 from hf_concept.modeling.stream_cache import RollbackWindowLayer
+from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 from tests.conformance.families import FAMILIES, FamilySpec
 
 PAD = 0
@@ -100,13 +101,13 @@ def test_a_close_draft_is_partly_accepted_and_still_exact(spec):
         assisted = greedy(model, prompt, assistant_model=draft_of(model, 0.3), **settings)
     assert torch.equal(assisted.sequences, greedy(model, prompt, **settings).sequences)
     # One crop of the model's own cache per verification pass: fewer passes than tokens, some rejecting.
-    rounds = [count for cache, count in crops if cache is assisted.past_key_values]
+    rounds = [count for cache, count in crops if cache is output_cache(assisted)]
     assert len(rounds) < 24 and any(count < 0 for count in rounds), rounds
 
 
 def logits_of(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
     with torch.no_grad():
-        output = model(input_ids=input_ids, past_key_values=cache, use_cache=cache is not None, **kwargs)
+        output = model(input_ids=input_ids, **cache_kwarg(cache), use_cache=cache is not None, **kwargs)
     return output.logits.float()
 
 
@@ -275,7 +276,7 @@ def test_a_converted_checkpoint_drafts_with_its_source(tmp_path):
         with counted_crops(model) as crops:
             assisted = greedy(model, prompt, assistant_model=prepared(source), **options)
         assert torch.equal(assisted.sequences, greedy(model, prompt, **options).sequences)
-        rounds = [count for cache, count in crops if cache is assisted.past_key_values]
+        rounds = [count for cache, count in crops if cache is output_cache(assisted)]
         assert len(rounds) < 24 and any(count < 0 for count in rounds) == (name == "paper"), (name, rounds)
 
 

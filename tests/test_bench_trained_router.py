@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+from hf_concept.modeling.transformers_compat import cache_kwarg
 from tests.benchmark_scripts import load_benchmark
 
 
@@ -78,11 +79,11 @@ def test_cached_decode_check_fails_when_the_cache_disagrees():
     bench = load_benchmark("bench_conceptmoe")
 
     class Drifting(torch.nn.Module):
-        def forward(self, input_ids, past_key_values=None, use_cache=False, logits_to_keep=0):
+        def forward(self, input_ids, use_cache=False, logits_to_keep=0, **cache):
             logits = torch.nn.functional.one_hot(input_ids % 5, 5).float()  # (1, L, 5)
-            if past_key_values is not None:
+            if any(value is not None for value in cache.values()):
                 logits = logits + 1e-2
-            return SimpleNamespace(logits=logits, past_key_values=object())
+            return SimpleNamespace(logits=logits, **cache_kwarg(object()))
 
     with pytest.raises(AssertionError):
         bench.check_cached_decode(Drifting(), torch.tensor([[1, 2, 3]]), steps=2)

@@ -12,6 +12,7 @@ from transformers import DynamicCache, StaticCache
 from hf_concept.modeling.concept_cache import ConceptCache
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
+from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 from tests.test_conceptmoe_model import BACKBONE, MOE, concept_model, ids
 
 PAD = 0
@@ -49,7 +50,7 @@ def test_cached_steps_equal_full_forward_and_greedy_equals_recompute(pooling):
     with torch.no_grad():
         full = model(input_ids=cached.sequences).logits
     assert_close(torch.stack(cached.logits, 1), full[:, 6:-1], atol=1e-5, rtol=0)
-    cache = cached.past_key_values
+    cache = output_cache(cached)
     assert isinstance(cache, ConceptCache)
     assert cache.get_seq_length() == cached.sequences.shape[1] - 1
 
@@ -60,7 +61,7 @@ def test_left_padded_rows_with_different_boundaries_equal_rows_alone(pooling):
     rows = [ids(4, seed=12), ids(9, seed=13), ids(6, seed=14)]
     input_ids, attention_mask = left_pad(rows)
     batched = generate(model, input_ids, attention_mask=attention_mask)
-    state = batched.past_key_values.state
+    state = output_cache(batched).state
     # The rows really did open chunks at different steps.
     assert len(set(state.concept_count.tolist())) > 1
     for index, row in enumerate(rows):
@@ -79,9 +80,9 @@ def test_chunked_prefill_and_user_cache_equal_normal_generation(pooling):
     assert torch.equal(normal.sequences, chunked.sequences)
     assert_close(torch.stack(chunked.logits, 1), torch.stack(normal.logits, 1), atol=1e-5, rtol=0)
     cache = model.model.new_cache()
-    first = generate(model, prompt, past_key_values=cache, max_new_tokens=3)
-    assert first.past_key_values is cache and cache.get_seq_length() == 12
-    resumed = generate(model, first.sequences, past_key_values=cache, max_new_tokens=5)
+    first = generate(model, prompt, **cache_kwarg(cache), max_new_tokens=3)
+    assert output_cache(first) is cache and cache.get_seq_length() == 12
+    resumed = generate(model, first.sequences, **cache_kwarg(cache), max_new_tokens=5)
     assert torch.equal(resumed.sequences, normal.sequences)
 
 
@@ -108,7 +109,7 @@ def test_batch_operations_cover_every_tensor():
     model = concept_model(pooling="mean")
     input_ids, attention_mask = left_pad([ids(5, seed=17), ids(8, seed=18)])
     with torch.no_grad():
-        cache = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True).past_key_values
+        cache = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True).cache
     before = [tensor.clone() for tensor in _cache_tensors(cache)]
     cache.batch_repeat_interleave(3)
     assert all(tensor.shape[0] == 6 for tensor in _cache_tensors(cache))
@@ -133,8 +134,8 @@ def test_concept_layers_store_about_one_entry_per_r_tokens():
     plain = PlainDecoderForCausalLM(PlainDecoderConfig(**BACKBONE)).eval()
     input_ids = ids(1, length, seed=19)
     with torch.no_grad():
-        cache = model(input_ids=input_ids, use_cache=True).past_key_values
-        dynamic = plain(input_ids=input_ids, use_cache=True).past_key_values
+        cache = model(input_ids=input_ids, use_cache=True).cache
+        dynamic = plain(input_ids=input_ids, use_cache=True).cache
     assert isinstance(dynamic, DynamicCache)
     dynamic_bytes = sum(
         (layer.keys.numel() + layer.values.numel()) * layer.keys.element_size() for layer in dynamic.layers
@@ -157,11 +158,11 @@ def test_foreign_caches_are_refused_clearly():
     filled = DynamicCache()
     filled.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
     with pytest.raises(ValueError, match="filled DynamicCache"):
-        model(input_ids=input_ids, past_key_values=filled)
+        model(input_ids=input_ids, cache=filled)
     static = StaticCache(config=model.config, max_cache_len=16)
     with pytest.raises(ValueError, match="StaticCache"):
-        model(input_ids=input_ids, past_key_values=static)
-    replaced = model(input_ids=input_ids, past_key_values=DynamicCache()).past_key_values
+        model(input_ids=input_ids, cache=static)
+    replaced = model(input_ids=input_ids, cache=DynamicCache()).cache
     assert isinstance(replaced, ConceptCache) and replaced.get_seq_length() == 4
 
 

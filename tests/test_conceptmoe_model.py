@@ -187,8 +187,8 @@ def test_concept_loop_and_wider_concept_model_run_and_train():
     with torch.no_grad():
         full = model(input_ids=input_ids).logits
         prefix = model(input_ids=input_ids[:, :4], use_cache=True)
-        cache = prefix.past_key_values
-        steps = [model(input_ids=input_ids[:, t : t + 1], past_key_values=cache).logits for t in range(4, 10)]
+        cache = prefix.cache
+        steps = [model(input_ids=input_ids[:, t : t + 1], cache=cache).logits for t in range(4, 10)]
     assert len(cache.concept_keys) == 6
     assert_close(torch.cat([prefix.logits, *steps], dim=1), full, atol=1e-5, rtol=0)
 

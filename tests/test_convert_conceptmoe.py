@@ -45,6 +45,7 @@ from hf_concept.conversion.writer import (
 )
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM, PlainDecoderModel
+from hf_concept.modeling.transformers_compat import output_cache
 from tests.fresh_process import fresh_process_logits
 from tests.test_layers_compat import CASES, build_source, logits_of, padded_batch, save_sharded
 
@@ -544,7 +545,7 @@ def test_cli_converts_and_the_default_conversion_generates_with_the_cache(tmp_pa
     prompt = torch.randint(1, TINY_LLAMA["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(5))
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     cached = model.generate(prompt, use_cache=True, return_dict_in_generate=True, **settings)
-    assert type(cached.past_key_values).__name__ == "ConceptCache"
+    assert type(output_cache(cached)).__name__ == "ConceptCache"
     assert cached.sequences.shape == (2, 7 + 12)
     assert torch.equal(cached.sequences, model.generate(prompt, use_cache=False, **settings))
 

@@ -36,6 +36,7 @@ from hf_concept.conversion.hidden_decoding import (
     hidden_decoding_config_from_source,
     parse_stream_layout,
 )
+from hf_concept.modeling.transformers_compat import output_cache
 from tests.fresh_process import fresh_process_logits
 from tests.test_convert_conceptmoe import TINY_LLAMA, entries, read_checkpoint, tiny_llama_folder
 from tests.test_layers_compat import CASES, TINY, build_source, logits_of, padded_batch, save_sharded
@@ -399,7 +400,7 @@ def test_four_streams_train_and_generate_with_the_cache(tmp_path):
     prompt = torch.randint(1, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(5))
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     cached = model.generate(prompt, use_cache=True, return_dict_in_generate=True, **settings)
-    assert type(cached.past_key_values).__name__ == "StreamCache"
+    assert type(output_cache(cached)).__name__ == "StreamCache"
     assert cached.sequences.shape == (2, 7 + 12)
     assert torch.equal(cached.sequences, model.generate(prompt, use_cache=False, **settings))
 

@@ -125,7 +125,7 @@ def test_ema_smoothing_decodes_with_the_cache_as_the_full_forward(router):
         for position in range(7, greedy.shape[1] - 1):
             output = model(
                 input_ids=greedy[:, position : position + 1],
-                past_key_values=output.past_key_values,
+                cache=output.cache,
                 use_cache=True,
             )
             cache_logits.append(output.logits)

@@ -254,14 +254,11 @@ def test_a_fresh_cached_prefill_reads_by_replication_and_decodes_by_counts():
     full = logits(model, input_ids, False, attention_mask=attention_mask)
     with torch.no_grad():
         prefill = model(input_ids=input_ids[:, :9], attention_mask=attention_mask[:, :9], use_cache=True)
-        assert (
-            prefill.past_key_values.state.read_counts.shape[1]
-            == 1 + prefill.past_key_values.num_concept_slots
-        )
+        assert prefill.cache.state.read_counts.shape[1] == 1 + prefill.cache.num_concept_slots
         rest = model(
             input_ids=input_ids[:, 9:],
             attention_mask=attention_mask,
-            past_key_values=prefill.past_key_values,
+            cache=prefill.cache,
             use_cache=True,
         ).logits
     real = attention_mask.bool()

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_
 
 from hf_concept.cli import main
 from hf_concept.modeling.forward_only_cache import cache_num_bytes
+from hf_concept.modeling.transformers_compat import output_cache
 from tests.conformance.families import FAMILIES
 
 SPECS = {spec.name: spec for spec in FAMILIES}
@@ -121,8 +122,8 @@ def test_cli_text_equals_greedy_generate_and_summary_reports_the_cache(
         AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)(PROMPT).input_ids
     )
     assert int(summary.group(1)) == new_tokens
-    assert summary.group(3) == cache_class == type(output.past_key_values).__name__
-    assert int(summary.group(4).replace(",", "")) == cache_num_bytes(output.past_key_values) > 0
+    assert summary.group(3) == cache_class == type(output_cache(output)).__name__
+    assert int(summary.group(4).replace(",", "")) == cache_num_bytes(output_cache(output)) > 0
 
 
 def test_lslm_generates_from_its_byte_prompt(capsys, tmp_path):
@@ -141,7 +142,7 @@ def test_lslm_generates_from_its_byte_prompt(capsys, tmp_path):
     assert out == expected + "\n"
     summary = SUMMARY.search(err)
     assert summary is not None, err
-    assert summary.group(3) == type(output.past_key_values).__name__
+    assert summary.group(3) == type(output_cache(output)).__name__
 
 
 def test_streams_token_by_token_unless_no_stream(capsys, checkpoints, monkeypatch):

@@ -25,6 +25,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from hf_concept.modeling.transformers_compat import (
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+)
 from tests.conformance.families import FAMILIES, FamilySpec
 
 PAD = 0
@@ -97,8 +101,8 @@ def test_concept_entries_are_token_aligned_and_never_none(name):
     with SPECS[name].force_boundaries(model), torch.no_grad():
         prompt = model(input_ids[:, :7], use_cache=True)
         # Fixed chunks of 2: token 7 continues the chunk token 6 opened and emits nothing.
-        step = model(input_ids[:, 7:8], past_key_values=prompt.past_key_values, output_attentions=True)
-        verify = model(input_ids[:, 8:], past_key_values=prompt.past_key_values, output_attentions=True)
+        step = model(input_ids[:, 7:8], cache=prompt.cache, output_attentions=True)
+        verify = model(input_ids[:, 8:], cache=prompt.cache, output_attentions=True)
         full = model(input_ids, output_attentions=True)
     first_concept = len(model.model.encoder_layers)
     for output, length in ((step, 1), (verify, 4), (full, 12)):
@@ -121,10 +125,10 @@ def test_cached_steps_return_the_full_forward_rows(name):
     input_ids = random_ids(model, 1, 11, seed=3)
     with torch.no_grad():
         full = model(input_ids, output_hidden_states=True).hidden_states
-        cache = model(input_ids[:, :6], use_cache=True).past_key_values
+        cache = model(input_ids[:, :6], use_cache=True).cache
         for column in range(6, 11):
             step = model(
-                input_ids[:, column : column + 1], past_key_values=cache, output_hidden_states=True
+                input_ids[:, column : column + 1], cache=cache, output_hidden_states=True
             ).hidden_states
             assert step is not None and len(step) == len(full)
             for index, (ours, theirs) in enumerate(zip(step, full, strict=True)):
@@ -183,7 +187,7 @@ def first_round(model: torch.nn.Module) -> Iterator[dict]:
         record.setdefault("length", kwargs["input_ids"].shape[1])
 
     def after(module, args, kwargs, output) -> None:
-        record.setdefault("cache", output.past_key_values)
+        record.setdefault("cache", output.cache)
 
     def spy(cache, tokens_to_remove: int) -> None:
         if cache is record.get("cache"):
@@ -267,9 +271,9 @@ def test_gradient_checkpointing_reentrant_or_not_keeps_the_gradients(name):
     )
     plain = _gradients(model, batch)
     for reentrant in (True, False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        enable_activation_checkpointing(model, {"use_reentrant": reentrant})
         checkpointed = _gradients(model, batch)
-        model.gradient_checkpointing_disable()
+        disable_activation_checkpointing(model)
         assert checkpointed.keys() == plain.keys(), reentrant
         for key, grad in plain.items():
             assert_close(checkpointed[key], grad, atol=1e-6, rtol=1e-5, msg=f"{key} (reentrant={reentrant})")

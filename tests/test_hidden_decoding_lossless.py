@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_concept.conversion import convert_to_hidden_decoding, expand_hidden_decoding
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+from hf_concept.modeling.transformers_compat import output_cache
 from tests.test_convert_hidden_decoding import EMBEDDING, config_of, four_layer_source
 from tests.test_layers_compat import TINY, logits_of, padded_batch
 
@@ -86,7 +87,7 @@ def test_converted_greedy_generation_is_the_sources(tmp_path):
     settings = dict(attention_mask=attention_mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     expected = source.generate(input_ids, **settings)
     output = model.generate(input_ids, return_dict_in_generate=True, **settings)
-    assert type(output.past_key_values).__name__ == "StreamCache"
+    assert type(output_cache(output)).__name__ == "StreamCache"
     assert torch.equal(output.sequences, expected)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from hf_concept.modeling.segment_cache import SegmentCache
+from hf_concept.modeling.transformers_compat import output_cache
 from hf_concept.reference.lslm import reference_logits
 from tests.test_lslm_model import encode, lslm
 
@@ -33,13 +34,11 @@ def stepped_logits(model, input_ids, prefill: int, attention_mask=None, chunk: i
     """Logits of a parallel prefill of `prefill` columns, then the rest fed `chunk` columns at a time."""
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     out = model(input_ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
-    cache, logits = out.past_key_values, [out.logits]
+    cache, logits = out.cache, [out.logits]
     assert isinstance(cache, SegmentCache) and cache.get_seq_length() == prefill
     for start in range(prefill, input_ids.shape[1], chunk):
         stop = min(start + chunk, input_ids.shape[1])
-        step = model(
-            input_ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache, use_cache=True
-        )
+        step = model(input_ids[:, start:stop], attention_mask=mask[:, :stop], cache=cache, use_cache=True)
         logits.append(step.logits)
     assert cache.get_seq_length() == input_ids.shape[1]
     return torch.cat(logits, dim=1)
@@ -119,7 +118,7 @@ def test_generated_nxt_closes_segments_and_cached_generation_equals_recompute():
         full = model(cached.sequences).logits
     assert_close(torch.stack(cached.logits, 1), full[:, prompt.shape[1] - 1 : -1], atol=1e-5, rtol=0)
     # Every closed segment (by a marker or by the router) is one segment-encoder entry, encoded once.
-    cache = cached.past_key_values
+    cache = output_cache(cached)
     with torch.no_grad():
         boundaries = model(cached.sequences).boundaries[0]
     opened = int(boundaries.sum())
@@ -160,7 +159,7 @@ def test_decoder_cache_holds_one_segment_not_the_context():
     generated = model.generate(
         prompt, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, return_segment_markers=True
     )
-    cache, sequence = generated.past_key_values, generated.sequences
+    cache, sequence = output_cache(generated), generated.sequences
     with torch.no_grad():
         opens = model(sequence).boundaries[0].tolist()
     longest, length = 0, 0
@@ -198,4 +197,4 @@ def test_foreign_filled_cache_is_refused():
     cache = DynamicCache()
     cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
     with pytest.raises(ValueError, match="SegmentCache"):
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)

@@ -115,18 +115,18 @@ def test_use_cache_none_reads_the_config_and_generate_still_works():
     input_ids = encode("cache me")["input_ids"]
     packed = packed_batch()
     with torch.no_grad():
-        assert isinstance(model(input_ids).past_key_values, SegmentCache)
-        assert model(input_ids, use_cache=False).past_key_values is None
+        assert isinstance(model(input_ids).cache, SegmentCache)
+        assert model(input_ids, use_cache=False).cache is None
         model.config.use_cache = False
-        assert model(input_ids).past_key_values is None
+        assert model(input_ids).cache is None
         model.config.use_cache = True
         # An implicit cache is skipped for packed rows (generation continues one document per row) ...
-        assert model(**packed).past_key_values is None
+        assert model(**packed).cache is None
         # ... an explicit one is refused.
         with pytest.raises(ValueError, match="packed documents"):
             model(**packed, use_cache=True)
         model.train()
-        assert model(input_ids, labels=input_ids).past_key_values is None
+        assert model(input_ids, labels=input_ids).cache is None
         model.eval()
         prompt = ByteTokenizer(append_eos_token=False)(["generate"], return_tensors="pt")["input_ids"]
         settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD)

@@ -47,11 +47,11 @@ def test_several_cached_columns_give_each_columns_own_attention_row():
     model = generating_lslm()
     input_ids = random_row(torch.Generator().manual_seed(2), 20, marker_share=0.25)
     with torch.no_grad():
-        prompt = model(input_ids[:, :14], use_cache=True).past_key_values
-        together = model(input_ids[:, 14:17], past_key_values=prompt, output_attentions=True)
-        stepped = model(input_ids[:, :14], use_cache=True).past_key_values
+        prompt = model(input_ids[:, :14], use_cache=True).cache
+        together = model(input_ids[:, 14:17], cache=prompt, output_attentions=True)
+        stepped = model(input_ids[:, :14], use_cache=True).cache
         singles = [
-            model(input_ids[:, column : column + 1], past_key_values=stepped, output_attentions=True)
+            model(input_ids[:, column : column + 1], cache=stepped, output_attentions=True)
             for column in range(14, 17)
         ]
     assert_close(together.logits, torch.cat([single.logits for single in singles], 1), atol=1e-6, rtol=0)
@@ -81,9 +81,9 @@ def test_full_forward_attentions_are_the_cached_steps_rows():
     input_ids[:, 1:8] = torch.arange(70, 77)  # a prefill without markers
     with torch.no_grad():
         full = model(input_ids, output_attentions=True).attentions
-        cache = model(input_ids[:, :8], use_cache=True).past_key_values
+        cache = model(input_ids[:, :8], use_cache=True).cache
         steps = [
-            model(input_ids[:, column : column + 1], past_key_values=cache, output_attentions=True).attentions
+            model(input_ids[:, column : column + 1], cache=cache, output_attentions=True).attentions
             for column in range(8, 24)
         ]
     assert all(weights.shape[-2] == 24 for weights in full)
@@ -143,7 +143,7 @@ def test_cached_steps_return_the_full_forwards_hidden_states(chunk):
             step = model(
                 input_ids[:, start:stop],
                 attention_mask=mask[:, :stop],
-                past_key_values=out.past_key_values,
+                cache=out.cache,
                 output_hidden_states=True,
             )
             assert len(step.hidden_states) == model.config.token_encoder_layers + 1

@@ -287,12 +287,12 @@ def test_dlcm_cross_weights_reproduce_the_cross_attention(form):
     input_ids, attention_mask = left_padded(spec)
     with torch.no_grad():
         prompt = model(input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=True)
-        for past in (None, prompt.past_key_values):
+        for past in (None, prompt.cache):
             ids = input_ids if past is None else input_ids[:, -1:]
 
             def run(ids=ids, past=past):
                 return model(
-                    ids, attention_mask=attention_mask, past_key_values=past, output_attentions=True
+                    ids, attention_mask=attention_mask, cache=past, output_attentions=True
                 ).attentions
 
             calls, attentions = _captured_cross(model, run)
@@ -363,7 +363,7 @@ def test_cached_step_maps_equal_the_full_forward_rows(spec):
         step = model(
             input_ids[:, -1:],
             attention_mask=attention_mask,
-            past_key_values=prompt.past_key_values,
+            cache=prompt.cache,
             output_attentions=True,
         ).attentions[0]
         full = model(input_ids, attention_mask=attention_mask, output_attentions=True).attentions[0]
@@ -416,7 +416,7 @@ def test_lslm_several_cached_columns_return_one_row_each():
         attentions = model(
             input_ids[:, -2:],
             attention_mask=attention_mask,
-            past_key_values=prompt.past_key_values,
+            cache=prompt.cache,
             output_attentions=True,
         ).attentions
     assert len(attentions) == len(model.model.attention_modules())

@@ -49,7 +49,7 @@ def test_sizes_per_layout_and_token_count():
     for stream_kv, intra_slots in (("per_stream", streams * length), ("shared", length)):
         model = hd_model(stream_kv=stream_kv)
         with torch.no_grad():
-            cache = model(input_ids=ids(2, length), use_cache=True).past_key_values
+            cache = model(input_ids=ids(2, length), use_cache=True).cache
         assert isinstance(cache, StreamCache) and cache.get_seq_length() == length
         slots = 2 * intra_slots + streams * length + (window - 1)  # intra, local, intra, full
         assert cache.num_bytes() == 2 * slots * KV_BYTES_PER_SLOT
@@ -69,7 +69,7 @@ def test_batch_operations_move_the_streams_of_a_row_together():
     model = hd_model()
     input_ids, attention_mask = left_pad([ids(6, seed=5), ids(8, seed=6)])
     with torch.no_grad():
-        cache = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True).past_key_values
+        cache = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True).cache
         rows = [
             model(input_ids=input_ids[i : i + 1], attention_mask=attention_mask[i : i + 1], use_cache=True)
             for i in range(2)
@@ -78,9 +78,9 @@ def test_batch_operations_move_the_streams_of_a_row_together():
     for index, row in enumerate(rows):
         select = StreamCache(model.config.stream_attention_layout, 3, 5)
         with torch.no_grad():
-            model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=select)
+            model(input_ids=input_ids, attention_mask=attention_mask, cache=select)
         select.batch_select_indices(torch.tensor([index]))
-        for mine, theirs in zip(_kv(select), _kv(row.past_key_values), strict=True):
+        for mine, theirs in zip(_kv(select), _kv(row.cache), strict=True):
             assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     before = [tensor.clone() for tensor in _kv(cache)]
     cache.batch_repeat_interleave(3)
@@ -115,10 +115,10 @@ def test_foreign_caches_are_refused_clearly():
     filled = DynamicCache()
     filled.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
     with pytest.raises(ValueError, match="filled DynamicCache"):
-        model(input_ids=input_ids, past_key_values=filled)
+        model(input_ids=input_ids, cache=filled)
     with pytest.raises(ValueError, match="StaticCache"):
-        model(input_ids=input_ids, past_key_values=StaticCache(config=model.config, max_cache_len=16))
-    replaced = model(input_ids=input_ids, past_key_values=DynamicCache()).past_key_values
+        model(input_ids=input_ids, cache=StaticCache(config=model.config, max_cache_len=16))
+    replaced = model(input_ids=input_ids, cache=DynamicCache()).cache
     assert isinstance(replaced, StreamCache) and replaced.get_seq_length() == 4
 
 
@@ -173,7 +173,7 @@ def test_generate_with_a_cache_the_family_cannot_use_names_the_fix(family, imple
     model = model_class()(make_config()).eval()
     input_ids = torch.randint(3, 60, (1, 5), generator=torch.Generator().manual_seed(2))
     kind = "StaticCache" if implementation == "static" else "offloaded DynamicCache"
-    with pytest.raises(ValueError, match=f"past_key_values of type {kind} is not supported") as error:
+    with pytest.raises(ValueError, match=f"cache of type {kind} is not supported") as error:
         model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2,
                        cache_implementation=implementation)  # fmt: skip
     assert "model.model.new_cache()" in str(error.value) and "without cache_implementation" in str(

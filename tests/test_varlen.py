@@ -223,7 +223,8 @@ def test_on_cpu_without_a_kernel_it_computes_sdpa_and_warns():
 def test_an_older_torch_kernel_signature_is_adapted(monkeypatch):
     """A `varlen_attn` without enable_gqa, scale or window_size (older torch releases) still computes the
     same causal attention (heads repeated, scale folded into the queries), and windows fall back."""
-    import torch.nn.attention.varlen as torch_varlen
+    # A torch without the module (2.9 has none) takes the fallback that another test covers.
+    torch_varlen = pytest.importorskip("torch.nn.attention.varlen", reason="this torch has no varlen_attn")
 
     def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
         assert is_causal and query.shape[1] == key.shape[1]

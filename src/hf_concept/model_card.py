@@ -109,6 +109,8 @@ def render_model_card(
     """The `huggingface_hub.ModelCard` that `write_model_card` would write (nothing is written)."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    from hf_concept.modeling.transformers_compat import MIN_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS
+
     folder = Path(folder)
     raw, config = read_config(folder)
     family = raw["model_type"]
@@ -142,6 +144,7 @@ def render_model_card(
         training=facts["training"] or {},
         figures=figures(family, facts["compression"], facts["evaluation"]),
         remote_code=remote_code,
+        transformers_range=f"{MIN_TRANSFORMERS} to {NEWEST_TESTED_TRANSFORMERS}",
         load_snippet=load_snippet(folder, family, load_id, facts["base_model"], remote_code),
         layout=list(getattr(config, "stream_attention_layout", None) or []),
     )
@@ -201,7 +204,9 @@ class _DictConfig:
 
 
 def _dtype(config) -> str | None:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # A config.json older than transformers 5 names it torch_dtype; a loaded config's `torch_dtype` is a
+    # deprecated alias of `dtype` (read from the instance only, so the alias is never called).
+    dtype = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from hf_concept.modeling.transformers_compat import enable_activation_checkpointing
 from tests.conformance.families import FAMILIES, FamilySpec
 
 ATOL = 1e-5
@@ -305,7 +306,7 @@ def test_gradient_checkpointing_gives_equal_gradients(spec):
         labels=input_ids.masked_fill(attention_mask == 0, -100),
     )
     plain = _gradients(model, batch)
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     checkpointed = _gradients(model, batch)
     assert plain.keys() == checkpointed.keys()

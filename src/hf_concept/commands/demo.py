@@ -512,16 +512,17 @@ def _prefill_and_decode(model, prompt, steps: int) -> tuple[float, float, int]:
     import torch
 
     from hf_concept.modeling.forward_only_cache import cache_num_bytes
+    from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 
     with torch.inference_mode():
         start = time.perf_counter()
         output = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
-        cache = output.past_key_values
+        cache = output_cache(output)
         next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(steps):
-            output = model(input_ids=next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            output = model(input_ids=next_token, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
             next_token = output.logits[:, -1].argmax(dim=-1, keepdim=True)
         decode_s = time.perf_counter() - start
     return prefill_s, decode_s, cache_num_bytes(cache)

@@ -178,6 +178,7 @@ def _generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer, set_seed
 
     from hf_concept.commands.checks import require_utf8
+    from hf_concept.modeling.transformers_compat import output_cache
 
     require_utf8(args.prompt, "PROMPT")
     model, tokenizer = load_checkpoint(
@@ -195,7 +196,7 @@ def _generate(args: argparse.Namespace) -> int:
     new_ids = output.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     if not stream:
         print(tokenizer.decode(new_ids, skip_special_tokens=True))
-    print(summary(new_ids, elapsed, output.past_key_values, model.generation_config), file=sys.stderr)
+    print(summary(new_ids, elapsed, output_cache(output), model.generation_config), file=sys.stderr)
     return 0
 
 

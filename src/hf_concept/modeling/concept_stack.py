@@ -34,6 +34,7 @@ from .modeling_plain import CausalLMMixin, PlainDecoderModel, default_position_i
 from .packing import document_starts, token_mask
 from .ratio_step import RatioAccumulator
 from .routing import boundary_decisions, expected_boundaries, ratio_loss, rule_boundaries, scale_aux_loss
+from .transformers_compat import cache_field, cache_kwarg, take_cache
 from .varlen import VARLEN_ATTENTION
 
 logger = logging.get_logger(__name__)
@@ -119,11 +120,12 @@ class ConceptStackMixin:
         inputs_embeds: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         use_cache: bool | None,
         kwargs: dict[str, Any],
     ) -> TokenStep:
-        """Embeddings, the family's cache (generate's empty default replaced), token layout and masks."""
+        """Embeddings, the family's cache (`cache`, or `past_key_values` in `kwargs`; generate's empty
+        default replaced), token layout and masks."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if not kwargs.pop(LOSS_IN_FORWARD, False):
@@ -132,7 +134,7 @@ class ConceptStackMixin:
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, L, D)
         create = use_cache and not self.training
-        cache = adopt_cache(past_key_values, ConceptCache, self.new_cache, create, self.family_name)
+        cache = adopt_cache(take_cache(cache, kwargs), ConceptCache, self.new_cache, create, self.family_name)
         past_length = cache.get_seq_length() if cache is not None else 0
         position_ids, mask, starts = self.token_layout(
             inputs_embeds, attention_mask, position_ids, past_length
@@ -145,7 +147,7 @@ class ConceptStackMixin:
         masks = PlainDecoderModel.attention_masks(self, inputs_embeds, attention_mask, cache, position_ids)
         layer_kwargs = dict(
             position_embeddings=self.rotary_emb(inputs_embeds, position_ids),
-            past_key_values=cache,
+            **cache_kwarg(cache),
             position_ids=position_ids,
             **kwargs,
         )
@@ -273,7 +275,7 @@ class ConceptStackMixin:
                 concept_states,
                 attention_mask=masks[layer.attention_type],
                 position_embeddings=position_embeddings,
-                past_key_values=None if cache is None else ConceptPassCache(cache, pass_idx),
+                **cache_kwarg(None if cache is None else ConceptPassCache(cache, pass_idx)),
             )
             if after_pass is not None:
                 concept_states = after_pass(concept_states)
@@ -297,7 +299,7 @@ class ConceptStackMixin:
         return encoder + concept + decoder
 
 
-@dataclass
+@cache_field
 class ConceptModelOutput(ModelOutput):
     """Base-model output: final-normed token states plus what the losses and metrics need.
 
@@ -331,7 +333,7 @@ class ConceptModelOutput(ModelOutput):
     """
 
     last_hidden_state: torch.Tensor | None = None
-    past_key_values: Cache | None = None
+    cache: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor | None, ...] | None = None
     boundary_probs: torch.Tensor | None = None
@@ -340,7 +342,7 @@ class ConceptModelOutput(ModelOutput):
     document_starts: torch.Tensor | None = None
 
 
-@dataclass
+@cache_field
 class ConceptCausalLMOutput(ModelOutput):
     """Causal-LM output; the metric fields are detached. `compression_ratio`: real tokens per concept of
     the boundaries this pass used (sampled in training); `inference_compression_ratio`: the same with the
@@ -351,7 +353,7 @@ class ConceptCausalLMOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: Cache | None = None
+    cache: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor | None, ...] | None = None
     lm_loss: torch.Tensor | None = None

@@ -18,6 +18,7 @@ from .configuration_plain import (
     _is_int,
     _is_number,
 )
+from .transformers_compat import CACHE_KEYS
 
 CHUNKING_KINDS = ("dynamic", "fixed")
 ROUTER_KINDS = ("cosine", "linear")
@@ -49,7 +50,7 @@ class ConceptMoEConfig(PlainDecoderConfig):
 
     model_type = "conceptmoe"
     keys_to_ignore_at_inference: ClassVar[list[str]] = [
-        "past_key_values",
+        *CACHE_KEYS,
         "lm_loss",
         "aux_loss",
         "compression_ratio",

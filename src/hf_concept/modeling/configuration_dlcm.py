@@ -51,6 +51,7 @@ from .configuration_plain import (
     _is_number,
 )
 from .dlcm_stages import fill_stage_defaults
+from .transformers_compat import CACHE_KEYS
 
 ROUTER_KINDS = ("cosine", "rule")
 CHUNKING_KINDS = ("dynamic", "fixed")
@@ -65,7 +66,7 @@ class DLCMConfig(PlainDecoderConfig):
 
     model_type = "dlcm"
     keys_to_ignore_at_inference: ClassVar[list[str]] = [
-        "past_key_values",
+        *CACHE_KEYS,
         "lm_loss",
         "aux_loss",
         "compression_ratio",

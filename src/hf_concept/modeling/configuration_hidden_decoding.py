@@ -49,6 +49,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .configuration_plain import MAX_COUNT, MAX_SIZE, PlainDecoderConfig, _is_int
+from .transformers_compat import CACHE_KEYS
 
 STREAM_ATTENTION_KINDS = ("intra", "local", "full")
 INTRA_STREAM_POSITIONS = ("expanded", "token")
@@ -108,7 +109,7 @@ class HiddenDecodingConfig(PlainDecoderConfig):
     """
 
     model_type = "hidden_decoding"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "hidden_states", "stream_states"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = [*CACHE_KEYS, "hidden_states", "stream_states"]
 
     num_streams: int = 2
     stream_attention_layout: list[str] | None = None

@@ -52,6 +52,7 @@ from transformers.utils import logging
 
 from .configuration_plain import MAX_COUNT, PlainDecoderConfig, _check_int, _check_number, _is_int, _is_number
 from .pooling import parse_pooling_method
+from .transformers_compat import CACHE_KEYS
 
 logger = logging.get_logger(__name__)
 
@@ -76,7 +77,7 @@ class LSLMConfig(PlainDecoderConfig):
 
     model_type = "lslm"
     keys_to_ignore_at_inference: ClassVar[list[str]] = [
-        "past_key_values",
+        *CACHE_KEYS,
         "lm_loss",
         "kl_loss",
         "boundary_rate",

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .config_typos import loading_saved_config, warn_misspelt_keys
+from .transformers_compat import CACHE_KEYS
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Required and optional keys of `rope_scaling` per `rope_type` (transformers' names).
@@ -112,7 +113,7 @@ class PlainDecoderConfig(PretrainedConfig):
     """
 
     model_type = "hf_concept_plain"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "router_logits", "aux_loss"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = [*CACHE_KEYS, "router_logits", "aux_loss"]
 
     vocab_size: int = 32000
     hidden_size: int = 1024

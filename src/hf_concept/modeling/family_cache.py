@@ -191,7 +191,7 @@ class FamilyCache(Cache):
         self._journal = CallJournal(None if journal.mask is None else journal.mask[:, :start])
         if inputs is not None:
             with torch.no_grad():
-                module(**inputs, past_key_values=self, use_cache=True)
+                module(**inputs, cache=self, use_cache=True)
         if self.get_seq_length() != target:
             raise RuntimeError(
                 f"{type(self).__name__}: replaying gave {self.get_seq_length()} tokens, expected {target}"

@@ -13,35 +13,32 @@ from .family_cache import FamilyCache
 
 
 def adopt_cache(
-    past_key_values: Cache | None,
+    cache: Cache | None,
     own_type: type[Cache],
     new_cache: Callable[[], Cache],
     create: bool,
     family: str,
 ) -> Cache | None:
-    """The family's own cache: `past_key_values` if it is one; a new one for None (when `create`) or for
+    """The family's own cache: `cache` if it is one; a new one for None (when `create`) or for
     an empty plain `DynamicCache` (generate's default); anything else refused by name with the fix:
     static, offloaded and quantized caches (`cache_implementation=...` in generate) included, since
     replacing them would silently drop what the user asked of them."""
-    if isinstance(past_key_values, own_type):
-        return past_key_values
-    if past_key_values is None:
+    if isinstance(cache, own_type):
+        return cache
+    if cache is None:
         return new_cache() if create else None
-    own, kind = own_type.__name__, type(past_key_values).__name__
-    if getattr(past_key_values, "offloading", False):
+    own, kind = own_type.__name__, type(cache).__name__
+    if getattr(cache, "offloading", False):
         kind = f"offloaded {kind}"
-    if type(past_key_values) is not DynamicCache or getattr(past_key_values, "offloading", False):
+    if type(cache) is not DynamicCache or getattr(cache, "offloading", False):
         raise ValueError(
-            f"past_key_values of type {kind} is not supported: {family} decodes only with its own {own} "
-            "(it keeps per-row state beside the keys and values); pass past_key_values="
+            f"cache of type {kind} is not supported: {family} decodes only with its own {own} "
+            "(it keeps per-row state beside the keys and values); pass cache="
             "model.model.new_cache(), or call generate() without cache_implementation (or with "
             "cache_implementation='dynamic')"
         )
-    if past_key_values.get_seq_length() > 0:
-        raise ValueError(
-            f"past_key_values is a filled {type(past_key_values).__name__}; {family} can only continue "
-            f"from a {own}"
-        )
+    if cache.get_seq_length() > 0:
+        raise ValueError(f"cache is a filled {type(cache).__name__}; {family} can only continue from a {own}")
     return new_cache()
 
 

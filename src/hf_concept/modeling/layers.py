@@ -39,6 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 # Importing it registers the varlen attention implementation ("hf_concept_varlen") with transformers.
+from .transformers_compat import layer_cache
 from .varlen import VARLEN_ATTENTION  # noqa: F401
 
 logger = logging.get_logger(__name__)
@@ -551,14 +552,15 @@ class DecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values=None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The cache comes as `cache_kwarg(cache)` (gradient checkpointing drops it under that name)."""
+        cache = layer_cache(kwargs)
         return self.attend_and_mix(
             hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            past_key_values=cache,
             **kwargs,
         )
 

@@ -20,6 +20,7 @@ from .boundary_rules import crosses, rate_units, running_units
 from .lslm_layout import ByteView, always_closing, document_causal_mask
 from .pooling import pool_open_chunk
 from .segment_cache import SegmentCache
+from .transformers_compat import cache_kwarg
 
 
 def stack_step_attentions(steps: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -102,7 +103,7 @@ class SegmentCacheSteps:
                 cross_allowed,
                 attention_mask=self_allowed,
                 position_embeddings=rope,
-                past_key_values=cache.decoder_store,
+                **cache_kwarg(cache.decoder_store),
             )
         return self.decoder_norm(states)
 
@@ -199,7 +200,7 @@ class SegmentCacheSteps:
                 states,
                 attention_mask=allowed[:, None, None, :],
                 position_embeddings=rope,
-                past_key_values=cache,
+                **cache_kwarg(cache),
             )
         cache.token_valid = valid
         cache.byte_counts = cache.byte_counts + is_byte.long()
@@ -231,7 +232,7 @@ class SegmentCacheSteps:
         allowed = store.allowed()[:, None, None, :]
         states = pooled
         for layer in self.segment_layers:
-            states, _ = layer(states, attention_mask=allowed, position_embeddings=rope, past_key_values=store)
+            states, _ = layer(states, attention_mask=allowed, position_embeddings=rope, **cache_kwarg(store))
         store.end()
         states = self.segment_norm(states)
         cache.cross_store.begin(closing)

@@ -13,6 +13,7 @@ from torch import nn
 from .concept_stack import ConfigView
 from .configuration_lslm import LSLMConfig
 from .layers import AttentionRecorder, DecoderLayer, RMSNorm, eager_attention_forward, residual_body
+from .transformers_compat import layer_cache
 
 
 def stage_config(config: LSLMConfig, stage: str) -> ConfigView:
@@ -98,12 +99,13 @@ class SegmentDecoderLayer(DecoderLayer):
         cross_allowed: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values=None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         def cross(states: torch.Tensor) -> torch.Tensor:
             normed = self.cross_attention_layernorm(states)
             return self.cross_attn(normed, cross_keys, cross_values, cross_allowed)
+
+        cache = layer_cache(kwargs)
 
         return residual_body(
             self,
@@ -111,5 +113,5 @@ class SegmentDecoderLayer(DecoderLayer):
             cross,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            past_key_values=cache,
         )

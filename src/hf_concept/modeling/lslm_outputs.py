@@ -13,9 +13,10 @@ from transformers.modeling_outputs import BaseModelOutput, ModelOutput
 
 from .lslm_layout import ByteView, DecoderSlots, Segmentation
 from .segment_cache import SegmentCache
+from .transformers_compat import cache_field
 
 
-@dataclass
+@cache_field
 class LSLMCausalLMOutput(ModelOutput):
     """Per-token logits plus the ELBO's parts (detached metrics): `lm_loss` (decoder cross-entropy, nats
     per target), `kl_loss`, `boundary_rate` (segment ends per free byte: sampled in training,
@@ -31,7 +32,7 @@ class LSLMCausalLMOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: Cache | None = None
+    cache: Cache | None = None
     attentions: tuple[torch.Tensor | None, ...] | None = None
     lm_loss: torch.Tensor | None = None
     kl_loss: torch.Tensor | None = None

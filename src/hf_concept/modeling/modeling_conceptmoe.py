@@ -74,6 +74,7 @@ from .packing import last_real_picker
 from .pooling import gather_concepts_to_tokens
 from .routing import straight_through
 from .smoothing import probability_smoothing
+from .transformers_compat import CACHE_KEYS, layer_cache
 
 
 class ZeroInitLinear(nn.Linear):
@@ -135,15 +136,15 @@ class JointDecoderLayer(DecoderLayer):
         token_concepts: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values=None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # `token_concepts` is positional so that gradient checkpointing treats it as an input.
+        cache = layer_cache(kwargs)
         return self.attend_and_mix(
             hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            past_key_values=cache,
             token_concepts=token_concepts,
             **kwargs,
         )
@@ -171,7 +172,7 @@ class ConceptMoEPreTrainedModel(LegacyRouterKeysMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["DecoderLayer", "JointDecoderLayer"]
-    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    _skip_keys_device_placement: ClassVar[list[str]] = list(CACHE_KEYS)
     # Concept attention builds its own boolean masks, which the flash kernels do not take.
     _supports_flash_attn = False
     _supports_sdpa = True
@@ -247,7 +248,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -256,7 +257,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         return_dict = kwargs.pop("return_dict", None)
         recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
         step_in = self.begin_step(
-            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs
+            input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs
         )
         inputs_embeds, cache, position_ids = step_in.inputs_embeds, step_in.cache, step_in.position_ids
         mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
@@ -288,7 +289,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         all_states[-1] = self.norm(token_states)
         output = ConceptModelOutput(
             last_hidden_state=all_states[-1],
-            past_key_values=cache,
+            cache=cache,
             hidden_states=tuple(all_states) if keep_states else None,
             attentions=None
             if recorder is None

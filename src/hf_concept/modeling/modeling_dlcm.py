@@ -91,6 +91,7 @@ from .replication import (
 )
 from .routing import straight_through
 from .smoothing import previous_concept_smoothing, probability_smoothing
+from .transformers_compat import CACHE_KEYS, layer_cache
 
 
 class SmoothingLinear(nn.Linear):
@@ -233,7 +234,6 @@ class DLCMDecoderLayer(GradientCheckpointingLayer):
         confidence: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values=None,
         reading: ConceptReading | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
@@ -244,13 +244,15 @@ class DLCMDecoderLayer(GradientCheckpointingLayer):
             normed = self.cross_attention_layernorm(states)
             return self.cross_attn(normed, concept_keys, concept_values, reading, confidence)
 
+        cache = layer_cache(kwargs)
+
         return residual_body(
             self,
             hidden_states,
             cross,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            past_key_values=cache,
             **kwargs,
         )
 
@@ -263,7 +265,7 @@ class DLCMPreTrainedModel(LegacyRouterKeysMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["DecoderLayer", "DLCMDecoderLayer"]
-    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    _skip_keys_device_placement: ClassVar[list[str]] = list(CACHE_KEYS)
     # Concept and cross attention build their own masks, which the flash kernels do not take.
     _supports_flash_attn = False
     _supports_sdpa = True
@@ -376,7 +378,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -385,7 +387,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         return_dict = kwargs.pop("return_dict", None)
         recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
         step_in = self.begin_step(
-            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs
+            input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs
         )
         keep_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -400,7 +402,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             attentions = concept_model_attentions(self, recorder, emission, num_slots, step_in.inputs_embeds)
         output = ConceptModelOutput(
             last_hidden_state=all_states[-1],
-            past_key_values=step_in.cache,
+            cache=step_in.cache,
             hidden_states=tuple(all_states) if keep_states else None,
             attentions=attentions,
             boundary_probs=probs,

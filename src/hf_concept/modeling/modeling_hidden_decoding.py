@@ -68,7 +68,6 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import logging
 
 from .configuration_hidden_decoding import HiddenDecodingConfig
@@ -83,7 +82,13 @@ from .layers import (
     recording_attentions,
 )
 from .loss_terms import LOSS_IN_FORWARD, warn_loss_terms_dropped
-from .modeling_plain import CausalLMMixin, default_position_ids, init_backbone_weights
+from .modeling_plain import (
+    CausalLMMixin,
+    PlainCausalLMOutput,
+    PlainModelOutput,
+    default_position_ids,
+    init_backbone_weights,
+)
 from .stream_cache import StreamCache, TokenUnits
 from .stream_layers import StreamAttention, StreamDecoderLayer, final_query_mask, widen_token_mask
 from .streams import (
@@ -93,6 +98,7 @@ from .streams import (
     interleave_streams,
     token_aligned_weights,
 )
+from .transformers_compat import CACHE_KEYS, cache_field, cache_kwarg, take_cache
 
 logger = logging.get_logger(__name__)
 
@@ -146,7 +152,7 @@ class HiddenDecodingPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["StreamDecoderLayer"]
-    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    _skip_keys_device_placement: ClassVar[list[str]] = list(CACHE_KEYS)
     # The flash path would need per-kind position ids and cu_seqlens; it has never run here (no GPU).
     _supports_flash_attn = False
     _supports_sdpa = True
@@ -177,8 +183,8 @@ class StreamPositions:
     folded_rope: tuple[torch.Tensor, torch.Tensor] | None
 
 
-@dataclass
-class HiddenDecodingModelOutput(MoeModelOutputWithPast):
+@cache_field
+class HiddenDecodingModelOutput(PlainModelOutput):
     """`last_hidden_state` (B, L, D) is what the LM head reads, normed: the final stream of each token (the
     sum of its streams under "sum" supervision); `stream_states` (B, S, L, D) all streams, normed (only
     with `output_stream_states=True`).
@@ -204,8 +210,8 @@ class HiddenDecodingModelOutput(MoeModelOutputWithPast):
     stream_states: torch.Tensor | None = None
 
 
-@dataclass
-class HiddenDecodingCausalLMOutput(MoeCausalLMOutputWithPast):
+@cache_field
+class HiddenDecodingCausalLMOutput(PlainCausalLMOutput):
     """Causal-LM output plus `stream_states` (B, S, L, D), normed, for stream probes."""
 
     stream_states: torch.Tensor | None = None
@@ -253,10 +259,10 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             intra_window=config.intra_window,
         )
 
-    def _stream_cache(self, past_key_values: Cache | None, use_cache: bool) -> StreamCache | None:
+    def _stream_cache(self, cache: Cache | None, use_cache: bool) -> StreamCache | None:
         """Ours as is; an empty foreign cache (generate's DynamicCache) replaced; anything else refused."""
         create = use_cache and not self.training
-        return adopt_cache(past_key_values, StreamCache, self.new_cache, create, "Hidden Decoding")
+        return adopt_cache(cache, StreamCache, self.new_cache, create, "Hidden Decoding")
 
     def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         """(B, S, L, D) stream embeddings from (B, L) ids or (B, L, S·D) concatenated embeddings."""
@@ -326,15 +332,15 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
                 attention_mask=None
                 if attention_mask is None
                 else expand_attention_mask(attention_mask, streams),
-                past_key_values=cache,
                 position_ids=expand_position_ids(position_ids, streams),
+                **cache_kwarg(cache),
             )
             if "full" in layout:
                 masks.full = create_causal_mask(**common, layer_idx=layout.index("full"))
             if "local" in layout:
                 masks.local = create_sliding_window_causal_mask(**common, layer_idx=layout.index("local"))
         if "intra" in layout:
-            common = dict(past_key_values=cache, layer_idx=layout.index("intra"))
+            common = dict(layer_idx=layout.index("intra"), **cache_kwarg(cache))
             if config.stream_kv == "shared":
                 # SharedKVAttention computes its scores itself and wants a boolean (B, 1, L, T + L) mask.
                 masks.intra = create_causal_mask(
@@ -376,8 +382,8 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         common = dict(
             inputs_embeds=stream_states.new_empty(batch, length, 0),
             attention_mask=attention_mask,
-            past_key_values=None if cache is None else TokenUnits(cache),
             position_ids=position_ids,
+            **cache_kwarg(None if cache is None else TokenUnits(cache)),
             # A skipped mask would mean "causal over slots", which the token blocks are not.
             allow_is_causal_skip=False,
         )
@@ -399,7 +405,7 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -417,7 +423,7 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
         batch, _, length, _ = stream_states.shape
         # The cache first: a static cache comes with a 4-D mask, and the cache is what needs fixing.
-        cache = self._stream_cache(past_key_values, use_cache)
+        cache = self._stream_cache(take_cache(cache, kwargs), use_cache)
         if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.dim() != 2):
             raise ValueError("attention_mask must be a 2-D (batch, tokens) tensor for Hidden Decoding")
         if position_ids is None:
@@ -448,7 +454,7 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             all_states[-1] = head_states
         output = HiddenDecodingModelOutput(
             last_hidden_state=head_states,
-            past_key_values=cache,
+            cache=cache,
             hidden_states=tuple(all_states) if keep_states else None,
             attentions=None if recorder is None else self.attention_entries(recorder),
             router_logits=tuple(all_router_logits) if keep_routers and all_router_logits else None,
@@ -549,7 +555,7 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
                     fold_streams(stream_states),
                     attention_mask=masks.intra,
                     position_embeddings=positions.folded_rope,
-                    past_key_values=cache,
+                    **cache_kwarg(cache),
                     position_ids=positions.folded_ids,
                     **kwargs,
                 )
@@ -559,7 +565,7 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
                     interleave_streams(stream_states),
                     attention_mask=masks.local if layer.stream_kind == "local" else masks.full,
                     position_embeddings=positions.expanded_rope,
-                    past_key_values=cache,
+                    **cache_kwarg(cache),
                     position_ids=positions.expanded_ids,
                     **kwargs,
                 )

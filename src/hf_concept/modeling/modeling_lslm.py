@@ -113,6 +113,7 @@ from .segment_estimators import (
     straight_through_ends,
     straight_through_pool_weights,
 )
+from .transformers_compat import CACHE_KEYS, cache_kwarg, take_cache
 
 INPUTS_EMBEDS_MESSAGE = "LSLM reads byte ids: inputs_embeds is not supported, pass input_ids"
 
@@ -125,6 +126,7 @@ class LSLMPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["DecoderLayer", "SegmentDecoderLayer"]
+    _skip_keys_device_placement: ClassVar[list[str]] = list(CACHE_KEYS)
     _supports_flash_attn = False
     _supports_sdpa = True
     _supports_attention_backend = False
@@ -327,7 +329,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         rope = self.token_rotary_emb(states, view.position_ids)
         for layer in self.token_layers:
             states = through_input_columns(states)
-            states, _ = layer(states, attention_mask=mask, position_embeddings=rope, past_key_values=cache)
+            states, _ = layer(states, attention_mask=mask, position_embeddings=rope, **cache_kwarg(cache))
         return through_input_columns(self.token_norm(states))
 
     def segment(self, view: ByteView, token_states: torch.Tensor) -> Segmentation:
@@ -411,7 +413,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         states = pooled
         for layer in self.segment_layers:
             states, _ = layer(
-                states, attention_mask=attention, position_embeddings=rope, past_key_values=store
+                states, attention_mask=attention, position_embeddings=rope, **cache_kwarg(store)
             )
         return self.segment_norm(states), valid, segment_documents
 
@@ -570,7 +572,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -582,6 +584,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
     ) -> LSLMCausalLMOutput | tuple:
         if inputs_embeds is not None:
             raise ValueError(INPUTS_EMBEDS_MESSAGE)
+        given_cache = take_cache(cache, kwargs)
         # A keyword argument, as in transformers' models: Trainer takes every forward parameter named
         # "*label*" for a label column, and would then skip the loss of batches without it.
         shift_labels = kwargs.get("shift_labels")
@@ -599,7 +602,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
         # training pass, and filling the cache costs a decoder pass.
         implicit = use_cache is None
         create = (self.config.use_cache and not self.training) if implicit else use_cache
-        cache = adopt_cache(past_key_values, SegmentCache, self.model.new_cache, bool(create), "LSLM")
+        cache = adopt_cache(given_cache, SegmentCache, self.model.new_cache, bool(create), "LSLM")
         if cache is not None:
             # What `crop` needs to feed these columns again (family_cache).
             cache.record_call(self, input_ids, None, attention_mask, position_ids)
@@ -615,7 +618,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
                 position_ids,
                 cache,
                 output_hidden_states=output_hidden_states,
-                cache_required=not (implicit and past_key_values is None),
+                cache_required=not (implicit and given_cache is None),
                 recorder=recorder,
             )
             output = self.heads(layout, labels, num_items_in_batch)
@@ -659,7 +662,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
             hidden_states = tuple(torch.stack(layer, dim=1) for layer in zip(*step_hidden, strict=True))
         return LSLMCausalLMOutput(
             logits=self.lm_head(torch.stack(states, dim=1)),
-            past_key_values=cache,
+            cache=cache,
             attentions=attentions,
             hidden_states=hidden_states,
         )
@@ -683,7 +686,7 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
         )
         return LSLMCausalLMOutput(
             logits=logits,
-            past_key_values=layout.cache,
+            cache=layout.cache,
             boundaries=layout.boundaries,
             hidden_states=layout.hidden_states,
             attentions=layout.attentions,

@@ -30,10 +30,11 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import ModelOutput, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import ModelOutput
 
 from .configuration_plain import PlainDecoderConfig
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, attention_recorder, recording_attentions
+from .transformers_compat import CACHE_KEYS, cache_field, cache_kwarg, take_cache
 
 
 def default_position_ids(
@@ -49,6 +50,32 @@ def default_position_ids(
         # (B, L); pads get 0, they are masked as keys and their own outputs are meaningless.
         return positions.clamp(min=0)[:, -length:].to(device)
     return (torch.arange(length, device=device) + past_length).unsqueeze(0)
+
+
+@cache_field
+class PlainModelOutput(ModelOutput):
+    """Backbone output: transformers' `MoeModelOutputWithPast` fields, the cache under the installed
+    release's name (`transformers_compat.cache_field`)."""
+
+    last_hidden_state: torch.Tensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+@cache_field
+class PlainCausalLMOutput(ModelOutput):
+    """Causal-LM output: transformers' `MoeCausalLMOutputWithPast` fields, the cache under the installed
+    release's name."""
+
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
 
 
 @torch.no_grad()
@@ -81,7 +108,7 @@ class PlainDecoderPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["DecoderLayer"]
-    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    _skip_keys_device_placement: ClassVar[list[str]] = list(CACHE_KEYS)
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_attention_backend = True
@@ -110,7 +137,7 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
         self,
         inputs_embeds: torch.Tensor,
         attention_mask: torch.Tensor | dict | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         position_ids: torch.Tensor,
     ) -> dict[str, Any]:
         """One mask per attention layer type, in the form the current kernel wants (built before the
@@ -119,19 +146,19 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
             return attention_mask
         if (
             attention_mask is None
-            and past_key_values is not None
-            and not past_key_values.is_compileable
-            and past_key_values.get_seq_length() == 0
+            and cache is not None
+            and not cache.is_compileable
+            and cache.get_seq_length() == 0
         ):
             # An empty growing cache sizes the mask like no cache at all, but its presence would stop
             # masking_utils from detecting packed documents in `position_ids` (use_cache defaults to True).
-            past_key_values = None
+            cache = None
         mask_kwargs = dict(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **cache_kwarg(cache),
         )
         masks = {"full_attention": create_causal_mask(**mask_kwargs)}
         if "sliding_attention" in self.config.layer_types:
@@ -143,15 +170,16 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
         **kwargs: Any,
-    ) -> MoeModelOutputWithPast | tuple:
+    ) -> PlainModelOutput | tuple:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        cache = take_cache(cache, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         # The weights are recorded here; the flag itself must not reach the kernels.
         recorder = attention_recorder(self.config, kwargs.pop("output_attentions", None))
@@ -159,21 +187,21 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
         if inputs_embeds is None:
             # (B, L, D)
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_length = cache.get_seq_length() if cache is not None else 0
             position_ids = default_position_ids(
                 attention_mask, inputs_embeds.shape[1], past_length, inputs_embeds.device
             )
-        masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids)
+        masks = self.attention_masks(inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         with recording_attentions(self, recorder):
             all_states, all_router_logits = self.run_layers(
                 inputs_embeds,
                 masks,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                **cache_kwarg(cache),
                 use_cache=use_cache,
                 position_ids=position_ids,
                 **kwargs,
@@ -184,9 +212,9 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
         keep_routers = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
-        output = MoeModelOutputWithPast(
+        output = PlainModelOutput(
             last_hidden_state=all_states[-1],
-            past_key_values=past_key_values,
+            cache=cache,
             hidden_states=tuple(all_states) if keep_states else None,
             attentions=None if recorder is None else recorder.entries(self.attention_modules()),
             router_logits=tuple(all_router_logits) if keep_routers and all_router_logits else None,
@@ -226,7 +254,7 @@ def project_logits(
 class CausalLMMixin:
     """`forward` of every causal LM here: backbone, LM head, loss and output fields.
 
-    The class sets `model` (a backbone returning at least `last_hidden_state`, `past_key_values`,
+    The class sets `model` (a backbone returning at least `last_hidden_state`, `cache`,
     `hidden_states`, `attentions`), `lm_head` and `output_class`. `loss_and_fields` gives the loss and
     the family's output fields: here the next-token cross-entropy alone, the router logits and
     `extra_output_fields` copied from the backbone's output (plain, Hidden Decoding); the concept
@@ -234,7 +262,7 @@ class CausalLMMixin:
     loss (which ignores what it does not know); `output_attentions` reaches the backbone alone.
     """
 
-    output_class: ClassVar[type] = MoeCausalLMOutputWithPast
+    output_class: ClassVar[type] = PlainCausalLMOutput
     extra_output_fields: ClassVar[tuple[str, ...]] = ()
 
     def forward(
@@ -242,7 +270,7 @@ class CausalLMMixin:
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -250,13 +278,14 @@ class CausalLMMixin:
         **kwargs: Any,
     ) -> ModelOutput | tuple:
         return_dict = kwargs.pop("return_dict", None)
+        cache = take_cache(cache, kwargs)
         # For the backbone alone: the loss must not receive it.
         output_attentions = kwargs.pop("output_attentions", None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -266,7 +295,7 @@ class CausalLMMixin:
         logits = self.scale_logits(project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep))
         output = self.output_class(
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             **self.loss_and_fields(outputs, logits, labels, kwargs),

@@ -171,11 +171,29 @@ def non_finite_parameters(model: torch.nn.Module, limit: int = 3) -> list[str]:
     return names
 
 
+# The private `Trainer` methods the mixin overrides, with the parameters it passes on; a test checks them
+# against the installed transformers (unchanged from 5.15 to 5.24). Why no public hook serves instead:
+# - `_get_grad_norm`: the norm Trainer computed for clipping and logging, before the optimizer step; the
+#   callbacks' `on_pre_optimizer_step` gets no norm (a callback would pass over every gradient again).
+# - `_get_output_dir`, `_save_checkpoint`: the checkpoint is written into a staging folder and renamed
+#   into place; `on_save` runs after the folder is written under its final name.
+# - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`: a checkpoint that does not fit the run is
+#   named as such; callbacks start after both loads, and wrapping the public `train()` would blame the
+#   checkpoint for any other setup error.
+PRIVATE_TRAINER_METHODS = {
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_get_output_dir": ("trial",),
+    "_save_checkpoint": ("model", "trial"),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+}
+
+
 class SafeCheckpointsMixin:
     """Trainer mixin: atomic checkpoints, and a stop at the first non-finite loss, gradient norm or weight.
 
-    Relies on three hooks of transformers 5.23's `Trainer`: `training_step` (a micro-batch's loss),
-    `_get_grad_norm` (called before every optimizer step) and `_save_checkpoint`/`_get_output_dir`.
+    Overrides the public `training_step` (a micro-batch's loss) and the private methods of
+    `PRIVATE_TRAINER_METHODS` (the reasons are there).
     """
 
     _checkpoint_staging: str | None = None

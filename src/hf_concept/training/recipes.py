@@ -64,6 +64,7 @@ from transformers import (
     set_seed,
 )
 
+from hf_concept.modeling.transformers_compat import checkpointing_arguments
 from hf_concept.training.checkpoints import (
     SafeCheckpointsMixin,
     checkpoint_problems,
@@ -413,7 +414,7 @@ def training_arguments(folder: Path, *, has_eval: bool, **options: Any) -> Train
             save_steps=max(save_steps, 1),
             eval_strategy="steps" if has_eval and eval_steps else "no",
             eval_steps=eval_steps,
-            activation_checkpointing=gradient_checkpointing,
+            **checkpointing_arguments(gradient_checkpointing),
             data_seed=options["seed"],
             # Evaluation needs the loss only; collecting logits would cost memory for nothing.
             prediction_loss_only=True,
