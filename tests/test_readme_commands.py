@@ -26,6 +26,7 @@ RUN_BY = {
     "segment": ("tests/test_segmentation.py", '"segment"'),
     "push": ("tests/test_push.py", '"push"'),
     "build-corpus": ("tests/test_corpus_builder.py", '"build-corpus"'),
+    "upgrade": ("tests/test_upgrade.py", '"upgrade"'),
 }
 # How a README line starts an `hf-concept` command; the arguments follow.
 LAUNCHERS = re.compile(

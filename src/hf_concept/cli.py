@@ -24,6 +24,7 @@ COMMANDS = {
     "generate": "hf_concept.commands.generate",
     "segment": "hf_concept.commands.segment",
     "push": "hf_concept.commands.push",
+    "upgrade": "hf_concept.commands.upgrade",
     "build-corpus": "hf_concept.commands.build_corpus",
 }
 
