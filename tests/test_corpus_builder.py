@@ -336,3 +336,33 @@ def test_missing_client_is_one_line(
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and f"`{missing}` not found" in error and command in error
     assert not (tmp_path / "corpus").exists() and not (tmp_path / "c").exists()
+
+
+def _deb_of(tree: Path, package: str, folder: Path) -> None:
+    """Pack the fixture's tree of `package` as `<package>_1.0_all.deb` in `folder` (a fetched package)."""
+    staging = folder / f".{package}"
+    subprocess.run(["cp", "-a", str(tree / package), str(staging)], check=True)
+    (staging / "DEBIAN").mkdir()
+    control = f"Package: {package}\nVersion: 1.0\nArchitecture: all\nMaintainer: t <t@t>\nDescription: t\n"
+    (staging / "DEBIAN" / "control").write_text(control)
+    deb = folder / f"{package}_1.0_all.deb"
+    subprocess.run(
+        ["dpkg-deb", "--build", "--root-owner-group", str(staging), str(deb)], check=True, capture_output=True
+    )
+
+
+def test_a_subset_of_debian_sources_builds_from_fetched_packages(package_root: Path, tmp_path: Path) -> None:
+    """The README's `--sources bible austen`: Debian packages only, unpacked from the package cache (the
+    fetch path, no --package-root), whatever the order the sources sort in."""
+    cache = tmp_path / "cache"
+    (cache / "debian").mkdir(parents=True)
+    for package in ("bible-kjv-text", "bible-kjv", "r-cran-janeaustenr"):
+        _deb_of(package_root, package, cache / "debian")
+    argv = ["build-corpus", str(tmp_path / "corpus"), "--sources", "bible", "austen"]
+    assert cli.main([*argv, "--cache-dir", str(cache), "--no-progress"]) == 0
+    corpus = load_from_disk(str(tmp_path / "corpus"))
+    documents = {row["document"] for split in corpus.values() for row in split}
+    packages = {name.split(":")[0] for name in documents}
+    assert packages == {"r-cran-janeaustenr", "bible-kjv-text"}, documents
+    provenance = json.loads((tmp_path / "corpus" / "provenance.json").read_text())
+    assert "1.0" in json.dumps(provenance)

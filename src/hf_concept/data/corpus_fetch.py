@@ -102,6 +102,8 @@ def _cached_deb(package: str, cache: Path) -> Path:
 
 
 def _unpack_deb(deb: Path, tree: Path) -> str:
+    # dpkg-deb makes the tree but not its parents: a build of Debian sources alone has no other maker.
+    tree.mkdir(parents=True, exist_ok=True)
     _run(["dpkg-deb", "-x", str(deb), str(tree)], None, f"remove {deb} to fetch it again")
     return subprocess.run(
         ["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True, check=True
