@@ -166,3 +166,13 @@ def test_a_missing_split_column_or_row_is_one_line_naming_what_exists(
     assert status == 2
     assert named.format(corpus=workspace / "corpus") in _error_line(stderr)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_an_empty_jsonl_file_is_one_line_naming_it(workspace, tmp_path, capsys, content):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    status, stderr = _train(capsys, workspace, tmp_path / "out", "--data", empty, "--max-steps", "1")
+    assert status == 2, stderr[-2000:]
+    assert str(empty) in _error_line(stderr) and "Traceback" not in stderr
+    assert not (tmp_path / "out").exists()

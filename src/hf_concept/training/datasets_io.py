@@ -158,6 +158,8 @@ def _load_file(path: Path, txt_documents: str, encoding_errors: str, streaming: 
             f"data file {str(path)!r} has an unsupported suffix {path.suffix!r}: use "
             f"{', '.join(BUILDERS)} or a datasets folder (save_to_disk)"
         )
+    if path.is_file() and path.stat().st_size == 0:
+        raise TrainSetupError(f"data file {str(path)!r} is empty: there is nothing to train on")
     if builder != "parquet" and encoding_errors == "strict":
         _check_utf8(path)
     options: dict[str, Any] = {}
@@ -171,6 +173,9 @@ def _load_file(path: Path, txt_documents: str, encoding_errors: str, streaming: 
         return datasets.load_dataset(
             builder, data_files=str(path.resolve()), split="train", streaming=streaming, **options
         )
+    except StopIteration:
+        # datasets' json builder infers the schema from the first record; a file of blank lines has none.
+        raise TrainSetupError(f"data file {str(path)!r} holds no {builder} record to train on") from None
     except (ValueError, datasets.exceptions.DatasetGenerationError) as error:
         cause = error.__cause__ or error
         raise TrainSetupError(f"data file {str(path)!r} cannot be read as {builder}: {cause}") from None
