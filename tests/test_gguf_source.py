@@ -226,3 +226,27 @@ def test_truncated_gguf_is_named_in_one_line(tiny_gguf, tmp_path, capsys, monkey
     assert status == 2 and line.startswith("hf-concept convert hidden-decoding: error: src="), err
     assert str(truncated) in line and "could not be loaded as GGUF" in line
     assert not dst.exists() and not any((tmp_path / "tmp").iterdir())
+
+
+def test_a_gguf_of_another_architecture_is_named_in_one_line(tmp_path, capsys):
+    """A GPT-2 GGUF: one line naming the file, its architecture and the supported ones; nothing written."""
+    gguf = pytest.importorskip("gguf", reason="needs the gguf package: pip install gguf")
+    import numpy as np
+
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_context_length(64)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    dst = tmp_path / "dst"
+    status, err = _run(capsys, "convert", "hidden-decoding", path, dst, "--streams", "1")
+    line = err.strip().splitlines()[-1]
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(path) in line and "'gpt2'" in line and "llama, mistral, qwen2" in line, line
+    assert not dst.exists()

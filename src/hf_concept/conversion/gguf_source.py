@@ -121,10 +121,39 @@ def source_folder(
         yield SourceFolder(folder, gguf_path)
 
 
+# GGUF's names of the architectures that `convert` and `train` read (`sources.SUPPORTED_SOURCE_TYPES`;
+# llama.cpp writes Mixtral as "llama" and the Qwen MoE models without the underscore).
+GGUF_SOURCE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+
+
+def gguf_architecture(gguf_path: Path) -> str | None:
+    """`general.architecture` of a GGUF file (its header only), None when the header cannot be read (the
+    loader then names the problem)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(gguf_path)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except Exception:
+        # A truncated or foreign file: transformers' loader says what is wrong with it.
+        return None
+
+
+def check_gguf_architecture(gguf_path: Path) -> None:
+    """ValueError naming the file, its architecture and the supported ones for any other architecture."""
+    architecture = gguf_architecture(gguf_path)
+    if architecture is not None and architecture not in GGUF_SOURCE_ARCHITECTURES:
+        raise ValueError(
+            f"src={str(gguf_path)!r} is a GGUF of architecture {architecture!r}, which is not a supported "
+            f"source; supported GGUF architectures: {', '.join(GGUF_SOURCE_ARCHITECTURES)}"
+        )
+
+
 def write_gguf_as_safetensors(gguf_path: Path, folder: Path) -> None:
     """De-quantise `gguf_path` and write it to `folder` as a safetensors checkpoint with its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf_architecture(gguf_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
