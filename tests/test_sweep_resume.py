@@ -9,6 +9,7 @@ Run as a script (`python tests/test_sweep_resume.py DIR STEPS`), this file is th
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -217,3 +218,18 @@ def test_the_status_view_counts_runs_and_estimates_from_the_same_arm(tmp_path, c
 if __name__ == "__main__":
     torch.set_num_threads(1)
     toy_run(Path(sys.argv[1]), int(sys.argv[2]))
+
+
+def test_a_sweep_dir_that_is_a_file_is_one_line_and_left_alone(tmp_path, capsys):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    with pytest.raises(sweep.SweepError, match="is a file, not a folder") as error:
+        sweep.open_sweep(target, [toy_spec(seed=0)])
+    assert "\n" not in str(error.value) and str(target) in str(error.value)
+    with pytest.raises(sweep.SweepError, match="is a file, not a folder"):
+        sweep.read_status(target)
+    args = argparse.Namespace(status=False, sweep_dir=str(target))
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.open_sweep_or_exit(args, lambda: [toy_spec(seed=0)])
+    assert exit_info.value.code == 2 and str(target) in capsys.readouterr().err
+    assert target.read_text() == "mine" and sorted(tmp_path.iterdir()) == [target]

@@ -178,6 +178,7 @@ def open_sweep(folder: Path, runs: list[RunSpec]) -> dict:
     """Create the sweep folder with the manifest of `runs`, or check an existing one against it; returns
     the manifest. Raises `SweepError` naming the first differing field of a manifest that differs."""
     folder = Path(folder)
+    check_sweep_folder(folder)
     manifest = manifest_of(runs)
     # JSON round trip: tuples become lists as they are on disk.
     manifest = json.loads(json.dumps(manifest))
@@ -195,6 +196,12 @@ def open_sweep(folder: Path, runs: list[RunSpec]) -> dict:
         return saved
     atomic_write_json(path, manifest)
     return manifest
+
+
+def check_sweep_folder(folder: Path) -> None:
+    """`SweepError` naming `folder` when it exists and is not a folder (nothing is written then)."""
+    if folder.exists() and not folder.is_dir():
+        raise SweepError(f"--sweep-dir {folder} is a file, not a folder: give a folder for the sweep")
 
 
 def lock_sweep(folder: Path) -> None:
@@ -458,6 +465,7 @@ def _eta(seconds: float | None) -> str:
 def read_status(folder: Path) -> list[RunStatus]:
     """`sweep_status` of the sweep in `folder`, from its manifest, results and checkpoint sidecars."""
     folder = Path(folder)
+    check_sweep_folder(folder)
     path = folder / MANIFEST
     if not path.exists():
         raise SweepError(f"--sweep-dir {folder}: no {MANIFEST} (not a sweep folder, or not started yet)")
