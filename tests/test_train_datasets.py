@@ -176,3 +176,24 @@ def test_an_empty_jsonl_file_is_one_line_naming_it(workspace, tmp_path, capsys, 
     assert status == 2, stderr[-2000:]
     assert str(empty) in _error_line(stderr) and "Traceback" not in stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ('{"text": 42}', "line 3: 'text' is a int, not a string"),
+        ('{"body": "no text here"}', "line 3 has no 'text' field"),
+        ('["a list"]', "line 3 is a JSON list, not an object"),
+        ('{"text": "cut', "line 3 is not JSON"),
+    ],
+)
+def test_a_jsonl_record_without_a_string_text_is_refused_naming_its_line(
+    workspace, tmp_path, capsys, line, named
+):
+    data = tmp_path / "data.jsonl"
+    good = json.dumps({"text": "the first document has words"})
+    data.write_text(f"{good}\n\n{line}\n{good}\n")
+    status, stderr = _train(capsys, workspace, tmp_path / "out", "--data", data, "--max-steps", "1")
+    assert status == 2, stderr[-2000:]
+    assert named in _error_line(stderr) and str(data) in _error_line(stderr)
+    assert not (tmp_path / "out").exists()

@@ -222,6 +222,29 @@ def _split_paragraphs(batch: dict[str, list[Any]]) -> dict[str, list[str]]:
     return {"text": [part for text in batch["text"] if isinstance(text, str) for part in paragraphs(text)]}
 
 
+def check_json_lines(path: Path, text_field: str, encoding_errors: str) -> None:
+    """`TrainSetupError` naming the first line of a JSON-lines file that is no object with a string
+    `text_field` (datasets would fill a missing field with None, or cast a number, and train on the rest)."""
+    with path.open(encoding="utf-8-sig", errors=encoding_errors) as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"data file {str(path)!r} line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TrainSetupError(f"{where} is not JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise TrainSetupError(f"{where} is a JSON {type(record).__name__}, not an object")
+            if text_field not in record:
+                raise TrainSetupError(
+                    f"{where} has no {text_field!r} field (choose another with --text-field)"
+                )
+            if not isinstance(record[text_field], str):
+                kind = type(record[text_field]).__name__
+                raise TrainSetupError(f"{where}: {text_field!r} is a {kind}, not a string")
+
+
 def _text_only(dataset: Any, text_field: str, columns: list[str], path: Path, paragraph_file: bool) -> Any:
     """`dataset` reduced to one "text" column (a .txt file's samples re-split into paragraphs)."""
     if text_field not in columns:
@@ -274,6 +297,9 @@ def load_documents(
         if path.is_dir():
             dataset = _load_saved(path, split, streaming)
         else:
+            if path.suffix == ".jsonl":
+                # Before datasets reads it: its errors name a row of its own count, not the line.
+                check_json_lines(path, text_field, encoding_errors)
             dataset = _load_file(path, txt_documents, encoding_errors, streaming)
         columns = _column_names(dataset)
         dataset = _filtered(dataset, filters or {}, columns, path)
