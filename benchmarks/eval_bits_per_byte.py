@@ -297,14 +297,33 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps, 1 seed")
 
 
-def finish_run_flags(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, quick: dict, counts: tuple[str, ...]
-) -> argparse.Namespace:
-    """`args` with the `quick` settings under --quick; exits 2 naming the flag if a count in `counts`
-    (or --workers, --threads) is below 1 or --accumulation does not divide --batch-size."""
-    if args.quick:
-        for field, value in quick.items():
+def given_flags(argv: list[str] | None) -> set[str]:
+    """The destinations of the options on the command line (`--batch-size 4` -> "batch_size")."""
+    tokens = sys.argv[1:] if argv is None else argv
+    return {token[2:].split("=", 1)[0].replace("-", "_") for token in tokens if token.startswith("--")}
+
+
+def apply_quick(args: argparse.Namespace, quick: dict, argv: list[str] | None) -> None:
+    """Under --quick, `quick`'s settings, except those the command line gives itself: `--quick --seeds 0,1`
+    runs the smoke settings with seeds 0 and 1."""
+    if not args.quick:
+        return
+    given = given_flags(argv)
+    for field, value in quick.items():
+        if field not in given:
             setattr(args, field, value)
+
+
+def finish_run_flags(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    quick: dict,
+    counts: tuple[str, ...],
+    argv: list[str] | None = None,
+) -> argparse.Namespace:
+    """`args` with the `quick` settings under --quick (`apply_quick`); exits 2 naming the flag if a count
+    in `counts` (or --workers, --threads) is below 1 or --accumulation does not divide --batch-size."""
+    apply_quick(args, quick, argv)
     for field in (*counts, "workers", "threads"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")

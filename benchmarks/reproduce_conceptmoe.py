@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     corpus_data.add_corpus_flags(parser)
     counts = ("steps", "pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
     counts += ("heldout_tokens",)
-    args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
+    args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts, argv)
     sweep.check_sweep_flags(parser, args)
     if args.width % (2 * HEAD_WIDTH):
         parser.error(f"--width={args.width} must be a multiple of {2 * HEAD_WIDTH} (heads of 16, KV half)")

@@ -111,9 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sweep.add_sweep_flags(parser)
     corpus_data.add_corpus_flags(parser)
     args = parser.parse_args(argv)
-    if args.quick:
-        for field, value in QUICK.items():
-            setattr(args, field, value)
+    runner.apply_quick(args, QUICK, argv)
     for field in ("steps", "context", "batch_size", "accumulation", "threads", "width", "heldout_tokens"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")

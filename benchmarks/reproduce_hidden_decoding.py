@@ -195,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     corpus_data.add_corpus_flags(parser)
     counts = ("pretrain_steps", "continue_steps", "context", "batch_size", "accumulation", "width")
     counts += ("heldout_tokens",)
-    args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts)
+    args = runner.finish_run_flags(parser, parser.parse_args(argv), QUICK, counts, argv)
     sweep.check_sweep_flags(parser, args)
     if args.continue_steps < 2:
         parser.error(f"--continue-steps={args.continue_steps} must be >= 2 (progressive: two halves)")

@@ -157,9 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sweep.add_sweep_flags(parser)
     args = parser.parse_args(argv)
     sweep.check_sweep_flags(parser, args)
-    if args.quick:
-        for field, value in QUICK.items():
-            setattr(args, field, value)
+    runner.apply_quick(args, QUICK, argv)
     for field in ("steps", "context", "batch_size", "threads", "width"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')}={getattr(args, field)} must be >= 1")
