@@ -504,3 +504,29 @@ def test_cli_takes_the_local_window_in_tokens(tmp_path, capsys):
         main(["convert", "hidden-decoding", str(tmp_path / "src"), str(tmp_path / "x"), "--streams", "2",
               "--local-window", "2", "--sliding-window", "4"])  # fmt: skip
     assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--layout", "llfi", "--local-window", "2"], "local layers [0, 1] see 2 tokens"),
+        (
+            ["--cross-stream-mask", "causal", "--cross-stream-positions", "expanded"],
+            "cross_stream_mask='causal'",
+        ),
+        ([], None),
+        (["--stream-kv", "shared"], None),
+    ],
+)
+def test_a_conversion_that_leaves_the_source_says_so_once(tmp_path, caplog, options, named):
+    """A full-attention source given local layers, or the paper's cross-stream form: one notice naming
+    what departs from the source and what keeps it exact; the exact conversions say nothing."""
+    four_layer_source(tmp_path / "src", "llama-llama3-rope-biases")
+    argv = ["convert", "hidden-decoding", str(tmp_path / "src"), str(tmp_path / "dst"), "--streams", "2"]
+    with caplog.at_level("WARNING", logger="hf_concept.conversion.hidden_decoding"):
+        assert main([*argv, *options]) == 0
+    notices = [r.getMessage() for r in caplog.records if "does not keep the source" in r.getMessage()]
+    if named is None:
+        assert notices == []
+    else:
+        assert len(notices) == 1 and named in notices[0] and "keep it exact" in notices[0], notices

@@ -46,6 +46,7 @@ tensors, and stream shard by shard into `writer.atomic_folder`, so any error lea
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,8 @@ from hf_concept.conversion.writer import (
     write_tensors,
 )
 from hf_concept.model_card import card_license, write_model_card
+
+logger = logging.getLogger(__name__)
 
 HIDDEN_DECODING_TYPE = "hidden_decoding"
 STREAM_LAYER_KINDS = ("intra", "local", "full")
@@ -240,6 +243,53 @@ def hidden_decoding_config_from_source(
     )
 
 
+def source_departures(config, source_layer_types: list[str], source_window: int | None) -> list[str]:
+    """What keeps a converted `config` from giving its source's logits (module docstring): the paper's
+    cross-stream form or expanded positions with several streams, and local layers whose window is
+    shorter than what the source layer attends to. Empty when the conversion is exact."""
+    layout, streams = config.stream_attention_layout, config.num_streams
+    departures = []
+    if streams > 1 and {"local", "full"} & set(layout):
+        if config.cross_stream_mask != "token_block":
+            departures.append(f"cross_stream_mask={config.cross_stream_mask!r}")
+        if config.cross_stream_positions != "token":
+            departures.append(f"cross_stream_positions={config.cross_stream_positions!r}")
+    if streams > 1 and "intra" in layout and config.intra_stream_positions != "token":
+        departures.append(f"intra_stream_positions={config.intra_stream_positions!r}")
+    window = None if config.sliding_window is None else config.sliding_window // streams
+
+    def source_span(index: int) -> float:
+        # What the source layer attends to, in tokens: its window, or everything.
+        sliding = source_layer_types[index] == "sliding_attention" and source_window is not None
+        return source_window if sliding else float("inf")
+
+    narrowed = [i for i, kind in enumerate(layout) if kind == "local" and window < source_span(i)]
+    if narrowed:
+        seen = sorted(
+            {
+                "the whole context" if source_span(i) == float("inf") else f"{source_span(i)} tokens"
+                for i in narrowed
+            }
+        )
+        departures.append(
+            f"local layers {narrowed} see {window} tokens where the source layers see {' or '.join(seen)}"
+        )
+    return departures
+
+
+def warn_if_lossy(config, source_config) -> None:
+    """One notice when the converted model will not give its source's logits, saying what would."""
+    plain = plain_config_from_source(source_config)
+    departures = source_departures(config, plain.layer_types, plain.sliding_window)
+    if departures:
+        logger.warning(
+            "this conversion does not keep the source's logits (%s); the defaults keep it exact: "
+            "token_block cross-stream masks, token positions, local layers only where the source "
+            "slides, with its window (--stream-kv shared is exact too)",
+            "; ".join(departures),
+        )
+
+
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a checkpoint of `config` holds (the head included: never tied)."""
     _, HiddenDecodingForCausalLM = _model_classes()
@@ -344,6 +394,7 @@ def convert_to_hidden_decoding(
     )
     dtype = resolve_dtype(dtype, source_config)
     check_safetensors_files(src)
+    warn_if_lossy(config, source_config)
     shapes = expected_shapes(config)
     tied_source = bool(getattr(source_config, "tie_word_embeddings", False))
     source = replicated_tensors(src, source_config.model_type, num_streams, tied_source, allow_pickle)
