@@ -97,7 +97,8 @@ def legacy_code_available() -> bool:
 def put_legacy_code(folder: Path) -> list[str]:
     """Replace the remote code of a saved `folder` with the code of `LEGACY_CODE_COMMIT`: the files that
     version's `save_pretrained` copies (the auto_map modules and their relative imports). Returns them."""
-    from hf_concept.upgrade import auto_map_modules, code_closure
+    from hf_concept.hub import code_closure
+    from hf_concept.upgrade import checkpoint_modules
 
     legacy = folder.parent / f".legacy-code-{folder.name}"
     legacy.mkdir(exist_ok=True)
@@ -116,7 +117,7 @@ def put_legacy_code(folder: Path) -> list[str]:
                 check=True,
             ).stdout
             (legacy / Path(path).name).write_text(text)
-    names = code_closure(legacy, auto_map_modules(folder))
+    names = code_closure(legacy, checkpoint_modules(folder))
     for old in folder.glob("*.py"):
         old.unlink()
     for name in names:

@@ -301,7 +301,7 @@ def _first_non_finite(file_name: str, tensors: Iterable[tuple[str, Any]]) -> str
     return None
 
 
-def _auto_map_modules(folder: Path, config: dict) -> list[tuple[str, str]]:
+def auto_map_modules(folder: Path, config: dict) -> list[tuple[str, str]]:
     """(module name, where it is named) for each local module in the auto_maps of the checkpoint.
 
     A reference of the form "other/repo--module.Class" lives in another repo and is not checked."""
@@ -319,26 +319,35 @@ def _auto_map_modules(folder: Path, config: dict) -> list[tuple[str, str]]:
     return list(modules.items())
 
 
-def required_code_files(folder: str | Path, config: dict | None = None) -> list[str]:
-    """The .py files `from_pretrained(..., trust_remote_code=True)` reads from the checkpoint: the modules
-    in the auto_maps and, recursively, the siblings they import with `from .x import` (found the way
-    transformers finds them). ValueError naming the missing file and who needs it."""
+def code_closure(directory: Path, named: list[tuple[str, str]], skip_missing: bool = False) -> list[str]:
+    """File names of the modules `named` ((module, who names it)) in `directory` and, recursively, of the
+    siblings they import with `from .x import` (found the way transformers finds them). ValueError naming
+    a missing file and who needs it, unless `skip_missing` (then it is left out)."""
     from transformers.dynamic_module_utils import get_relative_imports
 
-    folder = Path(folder)
-    config = _read_json(folder / "config.json") if config is None else config
-    pending = [(f"{module}.py", named_by) for module, named_by in _auto_map_modules(folder, config)]
+    pending = [(f"{module}.py", named_by) for module, named_by in named]
     found: set[str] = set()
     while pending:
         file_name, named_by = pending.pop()
         if file_name in found:
             continue
-        if not (folder / file_name).is_file():
-            raise ValueError(f"{file_name} is missing from {str(folder)!r}: {named_by}")
+        if not (directory / file_name).is_file():
+            if skip_missing:
+                continue
+            raise ValueError(f"{file_name} is missing from {str(directory)!r}: {named_by}")
         found.add(file_name)
-        for module in get_relative_imports(str(folder / file_name)):
+        for module in get_relative_imports(str(directory / file_name)):
             pending.append((f"{module}.py", f"{file_name} imports it (from .{module} import ...)"))
     return sorted(found)
+
+
+def required_code_files(folder: str | Path, config: dict | None = None) -> list[str]:
+    """The .py files `from_pretrained(..., trust_remote_code=True)` reads from the checkpoint: the modules
+    in the auto_maps and the siblings they import (`code_closure`). ValueError naming the missing file
+    and who needs it."""
+    folder = Path(folder)
+    config = _read_json(folder / "config.json") if config is None else config
+    return code_closure(folder, auto_map_modules(folder, config))
 
 
 def validate_hub_repo_id(repo_id: str) -> None:

@@ -8,9 +8,9 @@ something keeps the old names. Upgrading replaces the copy with the package's cu
   `auto_map` whose modules are present in the folder. Anything else is refused (`UpgradeError`, naming
   the file and what is wrong) before anything is written.
 - The new code is every module the `auto_map` entries (of `config.json` and `tokenizer_config.json`)
-  name, with the siblings they import, taken from `hf_concept.modeling`, the way `save_pretrained`
-  collects them. Code files the old modules imported and the new ones do not are removed; every other
-  file (weights, config, tokenizer, a user's own files) is kept byte for byte.
+  name, with the siblings they import, taken from `hf_concept.modeling` (`hub.code_closure`, the walk
+  `push` checks a folder with). Code files the old modules imported and the new ones do not are
+  removed; every other file (weights, config, tokenizer, a user's own files) is kept byte for byte.
 - The rewrite is atomic (`conversion.writer.atomic_folder`): the new folder is built beside the old one,
   weights hard-linked where the file system allows, and swapped in only once complete.
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import hf_concept.modeling as modeling_package
 from hf_concept.conversion.writer import atomic_folder
+from hf_concept.hub import auto_map_modules, code_closure
 
 MODELING_DIR = Path(modeling_package.__file__).parent
 FAMILY_MODEL_TYPES = ("conceptmoe", "dlcm", "hidden_decoding", "lslm", "hf_concept_plain")
@@ -61,8 +62,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def auto_map_modules(folder: Path) -> list[str]:
-    """The module stems the folder's `auto_map` entries name (config.json, tokenizer_config.json)."""
+def checkpoint_modules(folder: Path) -> list[tuple[str, str]]:
+    """(module, where it is named) for the modules the folder's auto_maps name (`hub.auto_map_modules`),
+    after checking that the folder is one of the package's checkpoints and holds them."""
     config_path = folder / "config.json"
     config = _read_json(config_path)
     model_type = config.get("model_type")
@@ -71,38 +73,16 @@ def auto_map_modules(folder: Path) -> list[str]:
             f"{config_path}: model_type {model_type!r} is not one of hf_concept's families "
             f"({', '.join(FAMILY_MODEL_TYPES)}); nothing changed"
         )
-    entries = list((config.get("auto_map") or {}).values())
-    tokenizer_config = folder / "tokenizer_config.json"
-    if tokenizer_config.is_file():
-        entries += list((_read_json(tokenizer_config).get("auto_map") or {}).values())
-    # AutoTokenizer entries are [slow, fast] pairs; a "repo--module.Class" entry points at another repo.
-    names = [name for entry in entries for name in (entry if isinstance(entry, list) else [entry]) if name]
-    stems = sorted({name.split("--")[-1].rsplit(".", 1)[0] for name in names})
-    if not stems:
+    try:
+        named = auto_map_modules(folder, config)
+    except ValueError as error:  # an unreadable tokenizer_config.json
+        raise UpgradeError(str(error)) from None
+    if not named:
         raise UpgradeError(f"{config_path} has no auto_map: the folder carries no remote code to upgrade")
-    missing = [stem for stem in stems if not (folder / f"{stem}.py").is_file()]
+    missing = sorted(module for module, _ in named if not (folder / f"{module}.py").is_file())
     if missing:
         raise UpgradeError(f"{config_path}: auto_map names {missing}, which the folder does not hold")
-    return stems
-
-
-def code_closure(directory: Path, stems: list[str]) -> list[str]:
-    """File names of the modules `stems` in `directory` and of every sibling they import relatively (the
-    files `save_pretrained` copies); an import whose file is absent is skipped (a folder's old copy may
-    be incomplete, which the upgrade then repairs)."""
-    from transformers.dynamic_module_utils import get_relative_imports
-
-    missing = [stem for stem in stems if not (directory / f"{stem}.py").is_file()]
-    if missing:
-        raise UpgradeError(f"auto_map names {missing}, which this version of hf_concept does not have")
-    names, pending = set(), [f"{stem}.py" for stem in stems]
-    while pending:
-        name = pending.pop()
-        if name in names or not (directory / name).is_file():
-            continue
-        names.add(name)
-        pending.extend(f"{module}.py" for module in get_relative_imports(str(directory / name)))
-    return sorted(names)
+    return named
 
 
 def plan_upgrade(folder: str | Path) -> UpgradePlan:
@@ -110,9 +90,13 @@ def plan_upgrade(folder: str | Path) -> UpgradePlan:
     folder = Path(folder)
     if not folder.is_dir():
         raise UpgradeError(f"{folder} is not a folder")
-    stems = auto_map_modules(folder)
-    new_files = code_closure(MODELING_DIR, stems)
-    old_files = code_closure(folder, stems)
+    named = checkpoint_modules(folder)
+    try:
+        new_files = code_closure(MODELING_DIR, named)
+    except ValueError as error:
+        raise UpgradeError(f"this version of hf_concept cannot provide the folder's code: {error}") from None
+    # A folder's old copy may be incomplete: what is missing is simply added by the upgrade.
+    old_files = code_closure(folder, named, skip_missing=True)
     plan = UpgradePlan(removed=[name for name in old_files if name not in new_files])
     for name in new_files:
         target = folder / name
