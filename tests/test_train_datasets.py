@@ -197,3 +197,14 @@ def test_a_jsonl_record_without_a_string_text_is_refused_naming_its_line(
     assert status == 2, stderr[-2000:]
     assert named in _error_line(stderr) and str(data) in _error_line(stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_jsonl_file_that_is_not_utf8_names_the_byte_before_its_records_are_read(
+    workspace, tmp_path, capsys
+):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes('{"text": "un caf\u00e9 noir"}\n'.encode("latin-1"))
+    status, stderr = _train(capsys, workspace, tmp_path / "out", "--data", data, "--max-steps", "1")
+    assert status == 2, stderr[-2000:]
+    assert "is not valid UTF-8 at byte offset 16" in _error_line(stderr)
+    assert not (tmp_path / "out").exists()

@@ -148,8 +148,9 @@ def _load_saved(path: Path, split: str | None, streaming: bool) -> Any:
     return loaded.to_iterable_dataset(num_shards=max(1, min(STREAM_SHARDS, len(loaded))))
 
 
-def _load_file(path: Path, txt_documents: str, encoding_errors: str, streaming: bool) -> Any:
-    """One data file through `datasets.load_dataset` (its Arrow copy is cached by `datasets`)."""
+def _load_file(path: Path, txt_documents: str, encoding_errors: str, streaming: bool, text_field: str) -> Any:
+    """One data file through `datasets.load_dataset` (its Arrow copy is cached by `datasets`), after the
+    checks whose errors name the byte or line (datasets' own name a row of its count)."""
     import datasets
 
     builder = BUILDERS.get(path.suffix)
@@ -162,6 +163,8 @@ def _load_file(path: Path, txt_documents: str, encoding_errors: str, streaming: 
         raise TrainSetupError(f"data file {str(path)!r} is empty: there is nothing to train on")
     if builder != "parquet" and encoding_errors == "strict":
         _check_utf8(path)
+    if path.suffix == ".jsonl":
+        check_json_lines(path, text_field, encoding_errors)
     options: dict[str, Any] = {}
     if builder == "text":
         options = {"sample_by": "paragraph" if txt_documents == "paragraph" else "document"}
@@ -297,10 +300,7 @@ def load_documents(
         if path.is_dir():
             dataset = _load_saved(path, split, streaming)
         else:
-            if path.suffix == ".jsonl":
-                # Before datasets reads it: its errors name a row of its own count, not the line.
-                check_json_lines(path, text_field, encoding_errors)
-            dataset = _load_file(path, txt_documents, encoding_errors, streaming)
+            dataset = _load_file(path, txt_documents, encoding_errors, streaming, text_field)
         columns = _column_names(dataset)
         dataset = _filtered(dataset, filters or {}, columns, path)
         is_paragraph_file = BUILDERS.get(path.suffix) == "text" and txt_documents == "paragraph"
