@@ -38,8 +38,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-# Importing it registers the varlen attention implementation ("hf_concept_varlen") with transformers.
 from .transformers_compat import layer_cache
+
+# Importing it registers the varlen attention implementation ("hf_concept_varlen") with transformers.
 from .varlen import VARLEN_ATTENTION  # noqa: F401
 
 logger = logging.get_logger(__name__)

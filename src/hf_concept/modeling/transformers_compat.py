@@ -108,7 +108,8 @@ def take_cache(cache: Any, kwargs: dict[str, Any]) -> Any:
     """The cache a `forward` was given: its `cache` argument, or `past_key_values` taken out of `kwargs`.
 
     `generate` passes `past_key_values` before 5.24 and `cache` from 5.24; a caller's own
-    `past_key_values` is accepted under every release, with transformers' deprecation warning from 5.24.
+    `past_key_values` is accepted under every release, from 5.24 with a FutureWarning like the one
+    transformers' own models give.
     """
     if LEGACY_CACHE_NAME not in kwargs:
         return cache
