@@ -127,17 +127,6 @@ def tokens_under(python: Path, folders: dict[str, str], workdir: Path) -> dict |
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def legacy_folders(python: Path, saved: dict[str, str], folder: Path) -> dict[str, str]:
-    from tests.saved_checkpoints import put_legacy_code
-
-    legacy = {}
-    for name, path in saved.items():
-        legacy[name] = str(folder / name)
-        shutil.copytree(path, legacy[name])
-        put_legacy_code(Path(legacy[name]))
-    return legacy
-
-
 def refusal_below(python: Path, saved: dict[str, str], workdir: Path) -> str:
     from tests.saved_checkpoints import fresh_greedy
 
@@ -181,7 +170,9 @@ def check_checkpoints(
 
 
 def check_legacy(checks: Checks, pythons: dict[str, Path], legacy_release: str, ends, saved, work) -> None:
-    legacy = legacy_folders(pythons[legacy_release], saved, work / "legacy")
+    from tests.saved_checkpoints import legacy_copies
+
+    legacy = legacy_copies(saved, work / "legacy")
     reference = tokens_under(pythons[legacy_release], legacy, work / "legacy-gen")
     checks.record(isinstance(reference, dict), f"legacy folders generate under {legacy_release}")
     newest = tokens_under(pythons[ends[1]], legacy, work / "legacy-newest")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,13 @@ def put_legacy_code(folder: Path) -> list[str]:
     for name in names:
         (folder / name).write_text((legacy / name).read_text())
     return names
+
+
+def legacy_copies(saved: dict[str, str], folder: Path) -> dict[str, str]:
+    """Copies of the `saved` folders under `folder`, each with the code of `LEGACY_CODE_COMMIT`."""
+    legacy = {}
+    for name, path in saved.items():
+        legacy[name] = str(folder / name)
+        shutil.copytree(path, legacy[name])
+        put_legacy_code(Path(legacy[name]))
+    return legacy

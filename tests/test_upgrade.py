@@ -16,7 +16,7 @@ from tests.saved_checkpoints import (
     fresh_greedy,
     greedy_tokens,
     legacy_code_available,
-    put_legacy_code,
+    legacy_copies,
     save_checkpoints,
 )
 
@@ -38,11 +38,7 @@ def saved(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.skipif(not legacy_code_available(), reason="needs the repository history (not a shallow clone)")
 def test_a_legacy_folder_generates_the_same_tokens_after_upgrade(saved, tmp_path, capsys):
     reference = greedy_tokens(saved, tmp_path / "reference")
-    legacy = {}
-    for name, folder in saved.items():
-        legacy[name] = str(tmp_path / "legacy" / name)
-        shutil.copytree(folder, legacy[name])
-        put_legacy_code(Path(legacy[name]))
+    legacy = legacy_copies(saved, tmp_path / "legacy")
     kept = {
         name: {k: v for k, v in digest(Path(f)).items() if not k.endswith(".py")}
         for name, f in legacy.items()
