@@ -335,7 +335,7 @@ def test_generation_with_the_latest_segment_equals_recomputation():
     model.generation_config.pad_token_id = 0
     prompt = ByteTokenizer()(["the cat sat"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=24, do_sample=False, return_segment_markers=True)
+        generated = model.generate(prompt, max_new_tokens=24, do_sample=False)
         sequence = prompt
         for _ in range(24):
             following = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)

@@ -106,9 +106,7 @@ def test_generated_nxt_closes_segments_and_cached_generation_equals_recompute():
     model.generation_config.pad_token_id = 0
     prompt = encode("segment")["input_ids"]
     # The raw ids: the `<nxt>` markers the model wrote are what a full recomputation reads.
-    kwargs = dict(
-        max_new_tokens=24, return_dict_in_generate=True, output_logits=True, return_segment_markers=True
-    )
+    kwargs = dict(max_new_tokens=24, return_dict_in_generate=True, output_logits=True)
     cached = model.generate(prompt, use_cache=True, do_sample=False, **kwargs)
     uncached = model.generate(prompt, use_cache=False, do_sample=False, **kwargs)
     assert torch.equal(cached.sequences, uncached.sequences)
@@ -132,20 +130,14 @@ def test_beams_sampling_and_batches_equal_recompute():
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     batch = encode("a row", "another, longer row")
-    beams = dict(
-        num_beams=3, num_return_sequences=2, max_new_tokens=10, do_sample=False, return_segment_markers=True
-    )
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=10, do_sample=False)
     assert torch.equal(
         model.generate(**batch, use_cache=True, **beams), model.generate(**batch, use_cache=False, **beams)
     )
     sampled = []
     for use_cache in (True, False):
         torch.manual_seed(4)
-        sampled.append(
-            model.generate(
-                **batch, use_cache=use_cache, do_sample=True, max_new_tokens=12, return_segment_markers=True
-            )
-        )
+        sampled.append(model.generate(**batch, use_cache=use_cache, do_sample=True, max_new_tokens=12))
     assert torch.equal(*sampled)
 
 
@@ -156,9 +148,7 @@ def test_decoder_cache_holds_one_segment_not_the_context():
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     prompt = encode("the context grows, segments do not")["input_ids"]
-    generated = model.generate(
-        prompt, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, return_segment_markers=True
-    )
+    generated = model.generate(prompt, max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
     cache, sequence = output_cache(generated), generated.sequences
     with torch.no_grad():
         opens = model(sequence).boundaries[0].tolist()

@@ -1,7 +1,6 @@
-"""What LSLM returns beside its logits (issue 26, points 10 and 12): hidden states on every cached step,
-attentions of several cached columns at once (assisted decoding and prompt lookup verify that way),
-hidden states inside the autograd graph, `shift_labels` honoured, and `generate` / a streamer giving
-clean bytes with the `<nxt>`/`<bos>` markers behind `return_segment_markers=True`."""
+"""What LSLM returns beside its logits: hidden states on every cached step, attentions of several cached
+columns at once (assisted decoding and prompt lookup verify that way), hidden states inside the autograd
+graph, and `shift_labels` honoured. `generate`'s outputs: `test_lslm_generate_outputs.py`."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
-from transformers import TextStreamer
-from transformers.generation.streamers import BaseStreamer
 
 from tests.test_lslm_generation import random_row
 from tests.test_lslm_hf_contracts import marked_batch
@@ -231,65 +228,3 @@ def test_asking_for_hidden_states_changes_no_output():
         plain = model(**batch, labels=batch["input_ids"])
         asked = model(**batch, labels=batch["input_ids"], output_hidden_states=True)
     assert torch.equal(plain.logits, asked.logits) and torch.equal(plain.loss, asked.loss)
-
-
-# Point 12d: clean bytes out of generate and a streamer; the raw ids behind a flag.
-
-
-class Collector(BaseStreamer):
-    def __init__(self) -> None:
-        self.puts: list[list[int]] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts.append(value.flatten().tolist())
-
-    def end(self) -> None:
-        self.puts.append([])
-
-
-def test_generate_returns_clean_bytes_and_raw_ids_behind_a_flag(capsys):
-    model = generating_lslm()
-    inputs = prompt_ids("clean output")
-    settings = dict(max_new_tokens=16, do_sample=False)
-    streamer = Collector()
-    clean = model.generate(**inputs, **settings, streamer=streamer)
-    raw = model.generate(**inputs, **settings, return_segment_markers=True)
-    prompt_length = inputs["input_ids"].shape[1]
-    assert (raw[0, prompt_length:] == NXT).sum() >= 2, "the test needs generated markers"
-    assert torch.equal(clean[0, :prompt_length], raw[0, :prompt_length])
-    assert torch.equal(clean[0, prompt_length:], without_markers(raw[0, prompt_length:]))
-    # The streamer saw the prompt, then only bytes; then the end.
-    assert streamer.puts[0] == inputs["input_ids"][0].tolist() and streamer.puts[-1] == []
-    streamed = [token for put in streamer.puts[1:] for token in put]
-    assert streamed == clean[0, prompt_length:].tolist()
-    text = TOKENIZER.decode(clean[0, prompt_length:])
-    assert "<nxt>" not in text and "<bos>" not in text
-    assert text == TOKENIZER.decode(raw[0, prompt_length:], skip_special_tokens=True)
-    # What transformers' TextStreamer prints (special tokens not skipped) is that text.
-    capsys.readouterr()
-    model.generate(**inputs, **settings, streamer=TextStreamer(TOKENIZER, skip_prompt=True))
-    assert capsys.readouterr().out == text + "\n"
-    # The raw ids are what a full recomputation of the cached generation reads.
-    assert torch.equal(
-        raw, model.generate(**inputs, **settings, use_cache=False, return_segment_markers=True)
-    )
-    # The generation config carries the flag too.
-    model.generation_config.return_segment_markers = True
-    as_dict = model.generate(**inputs, **settings, return_dict_in_generate=True)
-    assert torch.equal(as_dict.sequences, raw)
-
-
-def test_clean_batched_generation_equals_rows_alone():
-    model = generating_lslm()
-    texts = ("a row", "another, longer row")
-    settings = dict(max_new_tokens=12, do_sample=False)
-    batch = prompt_ids(*texts)
-    together = model.generate(**batch, **settings, return_dict_in_generate=True).sequences
-    width = batch["input_ids"].shape[1]
-    for index, text in enumerate(texts):
-        alone = prompt_ids(text)
-        row = model.generate(**alone, **settings)[0, alone["input_ids"].shape[1] :]
-        new = together[index, width:]
-        assert not any(token in MARKERS for token in new.tolist())
-        # Rows shortened by their markers are right-padded.
-        assert torch.equal(new[: len(row)], row) and (new[len(row) :] == PAD).all()

@@ -279,7 +279,8 @@ def load_snippet(folder: Path, family: str, load_id: str, base_model: str | None
             f"model = AutoModelForCausalLM.from_pretrained({model_id}{trust if remote_code else ''})",
             f"tokenizer = AutoTokenizer.from_pretrained({tokenizer_id}{trust if tokenizer_code else ''})",
             f'inputs = tokenizer({prompt}, return_tensors="pt")',
-            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))",
+            "output = model.generate(**inputs, max_new_tokens=20)",
+            "print(tokenizer.decode(output[0], skip_special_tokens=True))",
         ]
     )
 

@@ -552,13 +552,13 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
       column t's byte, the segment it closes (zero when none) and the decoder slot whose logits it
       reports, equal to what the cached step of column t returns.
 
-    `generate` returns and streams bytes. The `<nxt>`/`<bos>` markers the model writes go back into the
-    loop (they close segments, and a full recomputation reads them), then are taken out of the returned
-    sequences (each row's bytes moved left, right-padded with `pad_token_id`) and of what a streamer
-    receives; `max_new_tokens` counts steps, markers included. `return_segment_markers=True` (a
-    `generate` keyword or a generation-config field) returns the raw ids: what `model(sequences)`
-    recomputes exactly, and what per-step `scores`, `logits`, `attentions` and `hidden_states` align
-    with. An assistant model's candidates are always raw.
+    `generate` returns every id the loop ran on: the bytes and the `<nxt>`/`<bos>` markers the model
+    wrote (they close segments, and a full recomputation reads them). Markers are special tokens: one
+    id per decoding step, so `max_new_tokens` counts markers too, per-step `scores`, `logits`,
+    `attentions` and `hidden_states` match the returned tokens (`compute_transition_scores` works), and
+    `model(sequences)` recomputes the step logits. `tokenizer.decode(..., skip_special_tokens=True)`
+    and the text-generation pipeline give the text without markers; a streamer receives the bytes
+    only (`SegmentMarkerFilter`).
     """
 
     def __init__(self, config: LSLMConfig) -> None:
