@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from hf_concept.modeling.transformers_compat import enable_activation_checkpointing
 from tests.test_lslm_generation import random_row
-from tests.test_lslm_hf_contracts import marked_batch
+from tests.test_lslm_hf_contracts import marked_batch, packed_batch
 from tests.test_lslm_model import TOKENIZER, lslm
 
 NXT, BOS_MARKER, PAD = 4, 3, 0
@@ -228,3 +229,63 @@ def test_asking_for_hidden_states_changes_no_output():
         plain = model(**batch, labels=batch["input_ids"])
         asked = model(**batch, labels=batch["input_ids"], output_hidden_states=True)
     assert torch.equal(plain.logits, asked.logits) and torch.equal(plain.loss, asked.loss)
+
+
+# The returned attentions are part of the graph, as transformers' models return them.
+
+
+def recorded_training_pass(model, batch, seed: int = 0, retain: bool = True, **options):
+    """A training forward (the router samples: seeded) with its loss taken backward."""
+    torch.manual_seed(seed)
+    out = model(**batch, labels=batch["input_ids"], **options)
+    for entry in out.attentions or ():
+        if retain:
+            entry.retain_grad()
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("batch_of", ["marked", "packed"])
+def test_attentions_carry_the_gradient_of_the_loss(batch_of):
+    """Every entry (token encoder, segment encoder, decoder self and cross) receives the loss's gradient,
+    nonzero where it holds weights; asking for them changes neither the loss nor the parameters'
+    gradients."""
+    batch = marked_batch() if batch_of == "marked" else packed_batch()
+    model = lslm(attn="eager", token_encoder_layers=2).train()
+    plain = recorded_training_pass(model, batch)
+    expected = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad()
+    asked = recorded_training_pass(model, batch, output_attentions=True)
+    assert torch.equal(plain.loss, asked.loss) and torch.equal(plain.logits, asked.logits)
+    assert len(asked.attentions) == len(model.model.attention_modules())
+    for number, entry in enumerate(asked.attentions):
+        assert entry.grad is not None, number
+        assert entry.grad[entry != 0].abs().sum() > 0, number
+    for name, parameter in model.named_parameters():
+        assert_close(parameter.grad, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_first_attention_and_hidden_state_retain_a_gradient_of_the_first_logit():
+    """transformers' modeling test: retain_grad on `hidden_states[0]` and `attentions[0]`, backward from
+    the first logit, both hold a gradient."""
+    model = lslm(attn="eager").train()
+    batch = marked_batch()
+    torch.manual_seed(0)
+    out = model(**batch, output_hidden_states=True, output_attentions=True)
+    hidden, attention = out.hidden_states[0], out.attentions[0]
+    hidden.retain_grad()
+    attention.retain_grad()
+    out[0].flatten()[0].backward(retain_graph=True)
+    assert hidden.grad is not None and attention.grad is not None
+
+
+def test_gradient_checkpointing_still_returns_the_attentions():
+    """Layers recomputed in backward run unrecorded: the entries are then copies beside the graph, equal
+    to the ones a pass without checkpointing returns, and training goes on."""
+    batch = marked_batch()
+    model = lslm(attn="eager").train()
+    reference = recorded_training_pass(model, batch, output_attentions=True)
+    enable_activation_checkpointing(model, {"use_reentrant": False})
+    checkpointed = recorded_training_pass(model, batch, retain=False, output_attentions=True)
+    for ours, theirs in zip(checkpointed.attentions, reference.attentions, strict=True):
+        assert_close(ours, theirs, atol=1e-6, rtol=0)

@@ -274,9 +274,31 @@ class AttentionRecorder:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.runs: dict[int, list[torch.Tensor | None]] = {}
+        # Per module (by id): a function (weights) -> (entry, used) that records `entry` in another layout
+        # and gives the weights the module goes on with (LSLM's token-aligned rows).
+        self.layouts: dict[int, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.in_graph = True
 
-    def record(self, module: nn.Module, weights: torch.Tensor | None) -> None:
-        self.runs.setdefault(id(module), []).append(weights)
+    def lay_out(self, modules: Iterable[nn.Module], layout: Callable, in_graph: bool = True) -> None:
+        """Record the weights of `modules` as `layout(weights)[0]`. With `in_graph` the modules go on
+        with `layout(weights)[1]` (equal in value), so the recorded entry is part of the graph; without,
+        the entry is a copy beside it (gradient checkpointing recomputes the layers unrecorded)."""
+        for module in modules:
+            self.layouts[id(module)] = layout
+        self.in_graph = in_graph
+
+    def record(self, module: nn.Module, weights: torch.Tensor | None) -> torch.Tensor | None:
+        """Record `module`'s weights of one run; -> the weights the module goes on with."""
+        layout = self.layouts.get(id(module))
+        if layout is None or weights is None:
+            self.runs.setdefault(id(module), []).append(weights)
+            return weights
+        # Outside the graph the entry is computed without one: a checkpointed layer's recomputation (run
+        # unrecorded) must save the tensors its recorded forward saved.
+        with torch.set_grad_enabled(self.in_graph and torch.is_grad_enabled()):
+            entry, used = layout(weights)
+        self.runs.setdefault(id(module), []).append(entry)
+        return used if self.in_graph else weights
 
     def entries(self, modules: Iterable[nn.Module]) -> tuple[torch.Tensor | None, ...]:
         """One entry per element of `modules`: that module's weights, in run order for a module listed k
@@ -440,7 +462,12 @@ class Attention(nn.Module):
             **kwargs,
         )
         if self.attention_recorder is not None:
-            self.attention_recorder.record(self, weights)
+            used = self.attention_recorder.record(self, weights)
+            if used is not weights:
+                # The recorder returned its entry's view of the weights (equal values): the output reads
+                # them, so the returned attentions are part of the graph.
+                value = repeat_kv(value, self.num_key_value_groups)
+                output = torch.matmul(used, value).transpose(1, 2).contiguous()
         # (B, L, H·K)
         output = output.reshape(*output.shape[:2], -1).contiguous()
         return self.o_proj(output), weights

@@ -156,7 +156,7 @@ class SegmentCacheSteps:
         closes: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         """One step's (B, ·, 1, K) attention entries with the rows the parallel pass leaves at zero
-        (`lslm_layout.token_aligned_attentions`) zeroed too: token-encoder rows of non-bytes, segment-encoder
+        (`lslm_attention_layout`) zeroed too: token-encoder rows of non-bytes, segment-encoder
         rows that close nothing (`closes` (B,)), decoder rows of pads."""
         config = self.config
         is_marker = (input_ids == config.segment_start_token_id) | (input_ids == config.segment_end_token_id)

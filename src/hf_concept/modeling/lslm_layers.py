@@ -74,11 +74,20 @@ class SegmentCrossAttention(nn.Module):
         batch, slots, _ = slot_states.shape
         query = self.q_proj(slot_states).view(batch, slots, self.num_heads, -1).transpose(1, 2)
         attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None])
-        if self.attention_recorder is not None:
-            _, weights = eager_attention_forward(
-                self, query, keys, values, allowed[:, None], scaling=self.head_dim**-0.5
-            )
-            self.attention_recorder.record(self, weights)
+        recorder = self.attention_recorder
+        if recorder is not None:
+            # The weights beside the kernel join the graph only when the recorder puts its entries there
+            # (`AttentionRecorder.lay_out`): a checkpointed layer recomputes unrecorded.
+            with torch.set_grad_enabled(recorder.in_graph and torch.is_grad_enabled()):
+                _, weights = eager_attention_forward(
+                    self, query, keys, values, allowed[:, None], scaling=self.head_dim**-0.5
+                )
+            used = recorder.record(self, weights)
+            if used is not weights:
+                # The recorded entry joins the graph: the kernel's values, the gradient of the product
+                # with the entry's view of the weights (the same attention, computed the eager way).
+                product = torch.matmul(used, values)
+                attended = attended.detach() + (product - product.detach())
         return self.o_proj(attended.transpose(1, 2).reshape(batch, slots, -1))
 
 

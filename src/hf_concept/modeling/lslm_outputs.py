@@ -65,7 +65,7 @@ class LSLMModelOutput(BaseModelOutput):
     `attentions` (with `output_attentions=True` under eager attention; an empty tuple under sdpa): one
     entry per attention module in the order they run (`LSLMModel.attention_modules`), never None, each
     token-aligned: one query row per input column, the row that column's cached step computes, zero
-    where that step has none (`lslm_layout.token_aligned_attentions`):
+    where that step has none (`lslm_attention_layout`):
     - each token-encoder layer (byte level), (B, Ht, T, T'): the column's byte over the bytes, keys at
       their input columns (in a cached step: the token cache's columns, the prefill's bytes then one
       per step); zero rows at pads and markers;

@@ -57,6 +57,7 @@ then restarts at `<bos>`. The decoder therefore attends over one segment, never 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -79,6 +80,7 @@ from .layers import (
     recording_attentions,
 )
 from .loss_terms import prior_loss_terms, warn_loss_terms_dropped
+from .lslm_attention_layout import decoder_layouts, segment_layout, token_layout
 from .lslm_generation import SegmentCacheSteps, SegmentMarkerGeneration, stack_step_attentions
 from .lslm_layers import BoundaryRouter, SegmentDecoderLayer, stage_config
 from .lslm_layout import (
@@ -95,7 +97,6 @@ from .lslm_layout import (
     document_causal_mask,
     opening_probs,
     slot_confidence,
-    token_aligned_attentions,
     token_slots,
 )
 from .lslm_loss import elbo_fields, label_targets, labels_from_shift_labels
@@ -247,23 +248,27 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
                 raise ValueError("use_cache with packed documents: generation continues one document per row")
             cache = None
         layer_states = [] if output_hidden_states else None
+        lay_out = self.attention_layouts(recorder)
         with recording_attentions(self, recorder):
+            lay_out("token", token_layout(view))
             token_states = self.encode_tokens(view, cache, layer_states)
             segmentation = self.segment(view, token_states)
             segment_store = None
             if cache is not None:
                 segment_store = cache.segment_store
                 segment_store.fill(closed_segments(segmentation, view))
+            lay_out("segment", segment_layout(view, segmentation))
             segments, segment_valid, segment_documents = self.encode_segments(
                 token_states, segmentation, view, segment_store
             )
             slots = self.decoder_slots(view, segmentation)
+            column_slots = token_slots(view, segmentation, slots)  # (B, T)
+            lay_out("decoder", decoder_layouts(view, slots, column_slots))
             slot_states = self.decode(slots, segments, segment_valid, segment_documents)  # (B, S, Dd)
         if cache is not None:
             self.fill_cache(cache, view, token_states, segmentation, segments)
             cache.items = length
         hidden_states = None if layer_states is None else tuple(layer_states)
-        column_slots = token_slots(view, segmentation, slots)  # (B, T)
         return LSLMPass(
             mask=mask,
             view=view,
@@ -277,23 +282,40 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             ),
             hidden_states=hidden_states,
             cache=cache,
-            attentions=self.aligned_attentions(recorder, view, segmentation, slots, column_slots),
+            attentions=self.attention_entries(recorder),
         )
 
-    def aligned_attentions(
-        self,
-        recorder: AttentionRecorder | None,
-        view: ByteView,
-        segmentation: Segmentation,
-        slots: DecoderSlots,
-        column_slots: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...] | None:
-        """The pass's recorded weights, one query row per input column (`token_aligned_attentions`)."""
+    def attention_layouts(self, recorder: AttentionRecorder | None) -> Callable[[str, Any], None]:
+        """-> lay_out(stage, layouts): record the "token", "segment" or "decoder" stage's attention as
+        token-aligned rows (`lslm_attention_layout`), inside the graph unless the layers are recomputed
+        in backward (gradient checkpointing runs them unrecorded) or no gradient is taken."""
         if recorder is None or not recorder.enabled:
-            return None if recorder is None else ()
-        counts = (len(self.token_layers), len(self.segment_layers), len(self.decoder_layers))
-        entries = recorder.entries(self.attention_modules())
-        return token_aligned_attentions(entries, counts, view, segmentation, slots, column_slots)
+            return lambda stage, layouts: None
+        # Each checkpointed layer carries the flag (`GradientCheckpointingLayer`), in every release.
+        checkpointed = any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
+        in_graph = torch.is_grad_enabled() and not (self.training and checkpointed)
+        stages = {
+            "token": [[layer.self_attn for layer in self.token_layers]],
+            "segment": [[layer.self_attn for layer in self.segment_layers]],
+            "decoder": [
+                [layer.self_attn for layer in self.decoder_layers],
+                [layer.cross_attn for layer in self.decoder_layers],
+            ],
+        }
+
+        def lay_out(stage: str, layouts: Any) -> None:
+            layouts = layouts if isinstance(layouts, tuple) else (layouts,)
+            for modules, layout in zip(stages[stage], layouts, strict=True):
+                recorder.lay_out(modules, layout, in_graph)
+
+        return lay_out
+
+    def attention_entries(self, recorder: AttentionRecorder | None) -> tuple[torch.Tensor, ...] | None:
+        """The pass's recorded entries, token-aligned (`lslm_attention_layout`), in `attention_modules`
+        order; None when attentions were not asked for, () under a kernel that computes no weights."""
+        if recorder is None:
+            return None
+        return recorder.entries(self.attention_modules())
 
     def attention_modules(self) -> list[nn.Module]:
         """The module behind each entry of `attentions` (`LSLMModelOutput`): token-encoder and
