@@ -306,6 +306,7 @@ TRAINING_STATE = (
     "scaler.pt",
     "training_args.bin",
     "trainer_state.json",
+    "run_settings.json",
     "global_step10/mp_rank_00_model_states.pt",
 )
 

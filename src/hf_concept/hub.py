@@ -7,7 +7,8 @@ What gets uploaded (`files_to_upload`): every file under the folder except
 - `Trainer` checkpoint folders (`checkpoint-*/`, and `checkpoints/` where `hf-concept train` keeps them, at
   the top level), unless `include_checkpoints=True`;
 - `Trainer`'s training state at the top level (`optimizer.pt`, `scheduler.pt`, `rng_state*.pth`,
-  `scaler.pt`, `training_args.bin`, `trainer_state.json`, DeepSpeed's `global_step*/`), which
+  `scaler.pt`, `training_args.bin`, `trainer_state.json`, DeepSpeed's `global_step*/`, and the
+  `run_settings.json` that `hf-concept train` records for resuming), which
   `from_pretrained` never reads and a raw `checkpoint-N` folder holds, unless
   `include_training_state=True`.
 
@@ -62,13 +63,15 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-# What Trainer writes beside the model in checkpoint-N: resuming needs it, from_pretrained does not.
+# What Trainer (and `train`'s record of its settings) writes beside the model in checkpoint-N: resuming
+# needs it, from_pretrained does not.
 TRAINING_STATE_FILES = (
     "optimizer.pt",
     "scheduler.pt",
     "scaler.pt",
     "training_args.bin",
     "trainer_state.json",
+    "run_settings.json",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 

@@ -23,7 +23,8 @@ what is uploaded:
   every file under CHECKPOINT except hidden files and folders (.git/, .DS_Store, .gitattributes, ...),
   __pycache__/ and *.pyc, Trainer checkpoint-*/ and checkpoints/ folders (unless --include-checkpoints),
   and the training state a raw checkpoint-N folder holds beside the model (optimizer.pt, scheduler.pt,
-  rng_state*.pth, scaler.pt, training_args.bin, trainer_state.json; unless --include-training-state).
+  rng_state*.pth, scaler.pt, training_args.bin, trainer_state.json, run_settings.json; unless
+  --include-training-state).
   push lists every entry it leaves out.
   The folder must hold config.json, the weights (model.safetensors, or an index and all its shards, or
   pytorch_model.bin), each file whole and every tensor finite (no NaN or inf), and, for remote code,

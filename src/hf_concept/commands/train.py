@@ -168,6 +168,13 @@ def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
         "LoRA setting, or holds NaN/inf weights.",
     )
     parser.add_argument(
+        "--resume-changed-settings",
+        action="store_true",
+        help="With --resume or --resume-from: continue even though the checkpoint was written with other "
+        "--data (contents), --per-device-train-batch-size, --gradient-accumulation-steps or world size "
+        "(otherwise refused, exit 2); each change is named.",
+    )
+    parser.add_argument(
         "--max-steps",
         type=_max_steps,
         default=-1,
@@ -259,6 +266,7 @@ def _train(args: argparse.Namespace) -> int:
             use_cpu=args.use_cpu,
             resume=args.resume,
             resume_from=args.resume_from,
+            resume_changed_settings=args.resume_changed_settings,
             encoding_errors=args.encoding_errors,
             data_split=args.data_split,
             eval_data_split=args.eval_data_split,

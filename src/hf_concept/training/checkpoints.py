@@ -5,7 +5,8 @@
   `trainer_state.json` that parses. `checkpoint_problems` says what is missing; `latest_checkpoint` picks
   the newest complete one and warns about each incomplete one it skips.
 - `SafeCheckpointsMixin` writes each checkpoint under a hidden staging folder and renames it into place
-  once every file is written, so a kill never leaves a `checkpoint-N` that looks complete and is not. It
+  once every file is written, so a kill never leaves a `checkpoint-N` that looks complete and is not. Each
+  one records the run's settings (`run_settings.json`, `hf_concept.training.run_settings`). It
   refuses to save non-finite weights, and stops training at the first non-finite loss or gradient norm
   with `TrainingDivergedError` naming the step.
 """
@@ -34,6 +35,7 @@ from hf_concept.training.errors import (
     write_failure_cause,
     write_failure_hint,
 )
+from hf_concept.training.run_settings import write_run_settings
 
 logger = logging.getLogger("hf_concept.train")
 
@@ -197,6 +199,8 @@ class SafeCheckpointsMixin:
     """
 
     _checkpoint_staging: str | None = None
+    # The run's settings (`run_settings.current_settings`), recorded in every checkpoint; None: not recorded.
+    run_settings: dict[str, Any] | None = None
 
     def _diverged(self, what: str, after_step: bool = False) -> TrainingDivergedError:
         """The error for `what`, seen during the coming optimizer step or, `after_step`, after the last."""
@@ -252,6 +256,9 @@ class SafeCheckpointsMixin:
         self._checkpoint_staging = str(staging)
         try:
             super()._save_checkpoint(model, trial)
+            if self.run_settings is not None and self.is_world_process_zero():
+                # Inside the staging folder: the settings appear with the checkpoint, in its rename.
+                write_run_settings(staging / name, self.run_settings)
         except Exception as error:
             # A failed save (a full disk) leaves nothing half-written; a kill (not an Exception) leaves the
             # staging folder, which the next run removes.

@@ -37,7 +37,9 @@ Choices (the README's "Training" section states them for users):
   run resumes (`resume`: the newest complete checkpoint; `resume_from`: a given one) or replaces it
   (`overwrite_output_dir`, which removes the earlier checkpoints once the setup has passed). The run holds
   an exclusive lock on `output_dir` throughout (`hf_concept.training.output_lock`); a checkpoint to resume
-  from must fit the run (`hf_concept.training.resume`: config, shapes, LoRA, finite, step target).
+  from must fit the run (`hf_concept.training.resume`: config, shapes, LoRA, finite, step target) and have
+  been written with the same data, batch size, accumulation steps and world size
+  (`hf_concept.training.run_settings`, recorded in every checkpoint), unless `resume_changed_settings`.
 - Divergence: the first non-finite loss, gradient norm or weight stops the run with `TrainingDivergedError`;
   no checkpoint or final model with non-finite weights is written.
 """
@@ -77,6 +79,7 @@ from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.output import TrainResult, finish
 from hf_concept.training.output_lock import folder_entries, lock_output_dir
 from hf_concept.training.resume import check_resume, check_resume_target, restore_without_training
+from hf_concept.training.run_settings import check_run_settings, current_settings
 from hf_concept.training.trainer import ConceptTrainer
 
 logger = logging.getLogger("hf_concept.train")
@@ -462,6 +465,7 @@ def train(
     disable_tqdm: bool | None = None,
     resume: bool = False,
     resume_from: str | Path | None = None,
+    resume_changed_settings: bool = False,
     encoding_errors: str = "strict",
     data_split: str | None = None,
     eval_data_split: str | None = None,
@@ -474,7 +478,9 @@ def train(
     `mup=None` uses DLCM's μP groups exactly when the config sets `mup_base_width`. `learning_rate=None`
     means 3e-4, or the config's μP base rates. `callbacks` are TrainerCallbacks (objects, classes or
     "module:Class"). `resume` continues from the newest complete checkpoint under
-    `output_dir/checkpoints`, `resume_from` from the given one. `data_split`/`eval_data_split` pick the split
+    `output_dir/checkpoints`, `resume_from` from the given one; `resume_changed_settings` lets either go on
+    from a checkpoint written with other data, batch size, accumulation steps or world size, naming each
+    change (refused otherwise). `data_split`/`eval_data_split` pick the split
     of a saved `DatasetDict`, `data_filter` keeps rows by column ("language=en"), `streaming` reads the data
     lazily (needs `max_steps`); see `hf_concept.training.datasets_io`. `hold_ratio` (ConceptMoE) keeps the
     realised tokens per concept at the config's `compression_ratio` by recalibrating the router's threshold
@@ -483,6 +489,8 @@ def train(
     weight stops being finite (nothing non-finite is saved).
     """
     check_schedule(learning_rate, max_steps)
+    if resume_changed_settings and not (resume or resume_from is not None):
+        raise TrainSetupError("--resume-changed-settings goes with --resume or --resume-from PATH")
     # One run per output folder for the whole run; the checks below see the folder as this run left it.
     with lock_output_dir(output_dir, main_process=_is_main_rank()) as session:
         out = check_output_dir(session.path, overwrite_output_dir, resuming=resume or resume_from is not None)
@@ -537,9 +545,14 @@ def train(
             report_to=report_to,
             disable_tqdm=disable_tqdm,
         )
+        settings = current_settings(data, args)
+        if checkpoint is not None:
+            # Before Trainer is built (it makes folders in the output directory): a refusal changes nothing.
+            check_run_settings(checkpoint, settings, resume_changed_settings)
         trainer = build_trainer(
             model, tokenizer, args, train_set, eval_set, packing, callback_objects, use_mup, learning_rate
         )
+        trainer.run_settings = settings
         check_sharding_took_effect(trainer)
         _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=overwrite_output_dir)
         # From here on a failed run keeps what it wrote (checkpoints); before, a folder it made is removed.

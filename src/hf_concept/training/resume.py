@@ -15,6 +15,9 @@ family, size or LoRA setting, and a step target at or below the checkpoint's ste
   the model or have another shape;
 - every tensor must be finite (read one at a time): training on from NaN or inf cannot work, and would
   otherwise be reported as a divergence blamed on the learning rate.
+
+The run's data, batch size, accumulation steps and world size are compared with those the checkpoint
+records by `hf_concept.training.run_settings.check_run_settings`, once Trainer's arguments are known.
 """
 
 from __future__ import annotations
