@@ -53,6 +53,7 @@ import math
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ from hf_concept.training.checkpoints import (
 from hf_concept.training.data import data_collator, read_documents  # noqa: F401 (read_documents: API)
 from hf_concept.training.datasets_io import prepare_datasets
 from hf_concept.training.errors import TrainSetupError
+from hf_concept.training.options import TrainOptions, trainer_fields
 from hf_concept.training.output import TrainResult, finish
 from hf_concept.training.output_lock import folder_entries, lock_output_dir
 from hf_concept.training.resume import check_resume, check_resume_target, restore_without_training
@@ -403,25 +405,24 @@ def resolve_block_size(model: PreTrainedModel, block_size: int | None) -> int:
     return block_size
 
 
-def training_arguments(folder: Path, *, has_eval: bool, **options: Any) -> TrainingArguments:
-    """`TrainingArguments` for the run; `options` are `train`'s Trainer keyword arguments."""
-    save_steps, eval_steps = options.pop("save_steps"), options.pop("eval_steps")
-    gradient_checkpointing = options.pop("gradient_checkpointing")
-    learning_rate = options.pop("learning_rate")
+def training_arguments(folder: Path, options: TrainOptions, has_eval: bool) -> TrainingArguments:
+    """`TrainingArguments` for the run: the options marked `trainer=True` by name, plus the ones the
+    recipe words itself (learning-rate default, save/eval strategies, activation checkpointing, CPU)."""
     try:
         return TrainingArguments(
             output_dir=str(folder),
-            per_device_eval_batch_size=options["per_device_train_batch_size"],
-            learning_rate=DEFAULT_LEARNING_RATE if learning_rate is None else learning_rate,
-            save_strategy="steps" if save_steps > 0 else "no",
-            save_steps=max(save_steps, 1),
-            eval_strategy="steps" if has_eval and eval_steps else "no",
-            eval_steps=eval_steps,
-            **checkpointing_arguments(gradient_checkpointing),
-            data_seed=options["seed"],
+            per_device_eval_batch_size=options.per_device_train_batch_size,
+            learning_rate=DEFAULT_LEARNING_RATE if options.learning_rate is None else options.learning_rate,
+            save_strategy="steps" if options.save_steps > 0 else "no",
+            save_steps=max(options.save_steps, 1),
+            eval_strategy="steps" if has_eval and options.eval_steps else "no",
+            eval_steps=options.eval_steps,
+            **checkpointing_arguments(options.gradient_checkpointing),
+            data_seed=options.seed,
+            use_cpu=options.use_cpu or _no_accelerator(),
             # Evaluation needs the loss only; collecting logits would cost memory for nothing.
             prediction_loss_only=True,
-            **options,
+            **trainer_fields(options),
         )
     except ValueError as error:
         raise TrainSetupError(f"training arguments: {error}") from None
@@ -431,177 +432,134 @@ def train(
     model_or_path: str | Path | PretrainedConfig | PreTrainedModel,
     data: str | Path | Sequence[str | Path],
     output_dir: str | Path,
-    *,
-    tokenizer: Any = None,
-    eval_data: str | Path | Sequence[str | Path] | None = None,
-    eval_split_fraction: float | None = None,
-    text_field: str = "text",
-    txt_documents: str = "paragraph",
-    block_size: int | None = None,
-    packing: bool = True,
-    lora: bool = False,
-    lora_r: int = 8,
-    lora_alpha: float = 16.0,
-    lora_dropout: float = 0.0,
-    mup: bool | None = None,
-    max_steps: int = -1,
-    num_train_epochs: float = 1.0,
-    per_device_train_batch_size: int = 8,
-    gradient_accumulation_steps: int = 1,
-    learning_rate: float | None = None,
-    warmup_steps: int = 0,
-    weight_decay: float = 0.0,
-    logging_steps: int = 10,
-    save_steps: int = 500,
-    eval_steps: int | None = None,
-    seed: int = 0,
-    bf16: bool = False,
-    gradient_checkpointing: bool = False,
-    report_to: str | list[str] = "none",
-    callbacks: Sequence[str | TrainerCallback | type] = (),
-    overwrite_output_dir: bool = False,
-    base_model: str | None = None,
-    use_cpu: bool = False,
-    disable_tqdm: bool | None = None,
-    resume: bool = False,
-    resume_from: str | Path | None = None,
-    resume_changed_settings: bool = False,
-    encoding_errors: str = "strict",
-    data_split: str | None = None,
-    eval_data_split: str | None = None,
-    data_filter: Sequence[str] = (),
-    streaming: bool = False,
-    hold_ratio: bool = False,
+    **options: Any,
 ) -> TrainResult:
     """Train `model_or_path` on `data` and save the result to `output_dir` (choices: module docstring).
 
-    `mup=None` uses DLCM's μP groups exactly when the config sets `mup_base_width`. `learning_rate=None`
-    means 3e-4, or the config's μP base rates. `callbacks` are TrainerCallbacks (objects, classes or
-    "module:Class"). `resume` continues from the newest complete checkpoint under
-    `output_dir/checkpoints`, `resume_from` from the given one; `resume_changed_settings` lets either go on
-    from a checkpoint written with other data, batch size, accumulation steps or world size, naming each
-    change (refused otherwise). `data_split`/`eval_data_split` pick the split
-    of a saved `DatasetDict`, `data_filter` keeps rows by column ("language=en"), `streaming` reads the data
-    lazily (needs `max_steps`); see `hf_concept.training.datasets_io`. `hold_ratio` (ConceptMoE) keeps the
-    realised tokens per concept at the config's `compression_ratio` by recalibrating the router's threshold
-    after every step (`hf_concept.training.ratio_hold`). Raises `TrainSetupError` for input
-    problems found before training starts, and `TrainingDivergedError` when the loss, a gradient norm or a
-    weight stops being finite (nothing non-finite is saved).
+    `options` are the fields of `hf_concept.training.options.TrainOptions` (each with its help, and
+    `hf-concept train`'s flag of the same name): `train_with(model_or_path, TrainOptions(data=...,
+    output_dir=..., **options))`. Raises `TrainSetupError` for input problems found before training
+    starts, and `TrainingDivergedError` when the loss, a gradient norm or a weight stops being finite
+    (nothing non-finite is saved).
     """
-    check_schedule(learning_rate, max_steps)
-    if resume_changed_settings and not (resume or resume_from is not None):
+    return train_with(model_or_path, TrainOptions(data=data, output_dir=output_dir, **options))
+
+
+def train_with(
+    model_or_path: str | Path | PretrainedConfig | PreTrainedModel, options: TrainOptions
+) -> TrainResult:
+    """`train` with its options as one `TrainOptions`."""
+    check_schedule(options.learning_rate, options.max_steps)
+    resuming = options.resume or options.resume_from is not None
+    if options.resume_changed_settings and not resuming:
         raise TrainSetupError("--resume-changed-settings goes with --resume or --resume-from PATH")
     # One run per output folder for the whole run; the checks below see the folder as this run left it.
-    with lock_output_dir(output_dir, main_process=_is_main_rank()) as session:
-        out = check_output_dir(session.path, overwrite_output_dir, resuming=resume or resume_from is not None)
-        checkpoint = resolve_resume(out, resume, resume_from)
-        at_target = checkpoint is not None and check_resume_target(checkpoint, max_steps)
-        model = load_model(model_or_path, seed)
-        tokenizer = load_tokenizer(model, model_or_path, tokenizer)
-        _check_vocabulary(model, tokenizer)
-        block_size = resolve_block_size(model, block_size)
-        train_set, eval_set = prepare_datasets(
-            data,
-            tokenizer,
-            eval_data=eval_data,
-            eval_split_fraction=eval_split_fraction,
-            text_field=text_field,
-            txt_documents=txt_documents,
-            block_size=block_size,
-            seed=seed,
-            encoding_errors=encoding_errors,
-            data_split=data_split,
-            eval_data_split=eval_data_split,
-            data_filter=data_filter,
-            streaming=streaming,
-            max_steps=max_steps,
-        )
-        use_mup = _use_mup(model, mup)
-        callback_objects = resolve_callbacks(callbacks)
-        if hold_ratio:
-            callback_objects.append(ratio_hold_callback(model))
-        if lora:
-            set_seed(seed)
-            model = apply_lora(model, lora_r, lora_alpha, lora_dropout)
-        if checkpoint is not None:
-            check_resume(model, checkpoint, lora)
-        args = training_arguments(
-            out / CHECKPOINTS_NAME,
-            has_eval=eval_set is not None,
-            use_cpu=use_cpu or _no_accelerator(),
-            max_steps=max_steps,
-            num_train_epochs=num_train_epochs,
-            per_device_train_batch_size=per_device_train_batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            learning_rate=learning_rate,
-            warmup_steps=warmup_steps,
-            weight_decay=weight_decay,
-            logging_steps=logging_steps,
-            save_steps=save_steps,
-            eval_steps=eval_steps,
-            seed=seed,
-            bf16=bf16,
-            gradient_checkpointing=gradient_checkpointing,
-            report_to=report_to,
-            disable_tqdm=disable_tqdm,
-        )
-        settings = current_settings(data, args)
+    with lock_output_dir(options.output_dir, main_process=_is_main_rank()) as session:
+        out = check_output_dir(session.path, options.overwrite_output_dir, resuming=resuming)
+        checkpoint = resolve_resume(out, options.resume, options.resume_from)
+        at_target = checkpoint is not None and check_resume_target(checkpoint, options.max_steps)
+        setup = prepare_run(model_or_path, options, checkpoint)
+        args = training_arguments(out / CHECKPOINTS_NAME, options, has_eval=setup.eval_set is not None)
+        settings = current_settings(options.data, args)
         if checkpoint is not None:
             # Before Trainer is built (it makes folders in the output directory): a refusal changes nothing.
-            check_run_settings(checkpoint, settings, resume_changed_settings)
-        trainer = build_trainer(
-            model, tokenizer, args, train_set, eval_set, packing, callback_objects, use_mup, learning_rate
-        )
+            check_run_settings(checkpoint, settings, options.resume_changed_settings)
+        trainer = build_trainer(setup, args, options)
         trainer.run_settings = settings
         check_sharding_took_effect(trainer)
-        _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=overwrite_output_dir)
+        _clear_checkpoint_folder(trainer, out / CHECKPOINTS_NAME, everything=options.overwrite_output_dir)
         # From here on a failed run keeps what it wrote (checkpoints); before, a folder it made is removed.
         session.started = True
         if at_target:
             restore_without_training(trainer, checkpoint)
         else:
             trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-        eval_metrics = trainer.evaluate() if eval_set is not None else {}
-        details = {
-            "data": [str(path) for path in ([data] if isinstance(data, (str, Path)) else data)],
-            "block_size": block_size,
-            "packing": packing,
-            "lora": {"r": lora_r, "alpha": lora_alpha} if lora else None,
-            "mup": use_mup,
-            "train_sequences": None if streaming else len(train_set),
-        }
-        return finish(trainer, out, eval_metrics, details, base_model or _base_model_name(model_or_path))
+        eval_metrics = trainer.evaluate() if setup.eval_set is not None else {}
+        details = run_details(options, setup)
+        return finish(
+            trainer, out, eval_metrics, details, options.base_model or _base_model_name(model_or_path)
+        )
 
 
-def build_trainer(
-    model: Any,
-    tokenizer: Any,
-    args: TrainingArguments,
-    train_set: Any,
-    eval_set: Any,
-    packing: bool,
-    callbacks: list[Any],
-    mup: bool,
-    learning_rate: float | None,
-) -> RecipeTrainer:
+@dataclass
+class RunSetup:
+    """What a run trains before Trainer exists: the model (LoRA-wrapped when asked), its tokenizer, the
+    datasets, the callbacks and the choices resolved from the model (block size, μP)."""
+
+    model: Any
+    tokenizer: Any
+    train_set: Any
+    eval_set: Any
+    callbacks: list[Any]
+    block_size: int
+    use_mup: bool
+
+
+def prepare_run(model_or_path: Any, options: TrainOptions, checkpoint: Path | None) -> RunSetup:
+    """Load the model and tokenizer, read the data, resolve callbacks, apply LoRA, check the checkpoint."""
+    model = load_model(model_or_path, options.seed)
+    tokenizer = load_tokenizer(model, model_or_path, options.tokenizer)
+    _check_vocabulary(model, tokenizer)
+    block_size = resolve_block_size(model, options.block_size)
+    train_set, eval_set = prepare_datasets(
+        options.data,
+        tokenizer,
+        eval_data=options.eval_data,
+        eval_split_fraction=options.eval_split_fraction,
+        text_field=options.text_field,
+        txt_documents=options.txt_documents,
+        block_size=block_size,
+        seed=options.seed,
+        encoding_errors=options.encoding_errors,
+        data_split=options.data_split,
+        eval_data_split=options.eval_data_split,
+        data_filter=options.data_filter,
+        streaming=options.streaming,
+        max_steps=options.max_steps,
+    )
+    use_mup = _use_mup(model, options.mup)
+    callbacks = resolve_callbacks(options.callbacks)
+    if options.hold_ratio:
+        callbacks.append(ratio_hold_callback(model))
+    if options.lora:
+        set_seed(options.seed)
+        model = apply_lora(model, options.lora_r, options.lora_alpha, options.lora_dropout)
+    if checkpoint is not None:
+        check_resume(model, checkpoint, options.lora)
+    return RunSetup(model, tokenizer, train_set, eval_set, callbacks, block_size, use_mup)
+
+
+def run_details(options: TrainOptions, setup: RunSetup) -> dict[str, Any]:
+    """What the saved run reports about its data and recipe (`finish`)."""
+    data = options.data
+    return {
+        "data": [str(path) for path in ([data] if isinstance(data, (str, Path)) else data)],
+        "block_size": setup.block_size,
+        "packing": options.packing,
+        "lora": {"r": options.lora_r, "alpha": options.lora_alpha} if options.lora else None,
+        "mup": setup.use_mup,
+        "train_sequences": None if options.streaming else len(setup.train_set),
+    }
+
+
+def build_trainer(setup: RunSetup, args: TrainingArguments, options: TrainOptions) -> RecipeTrainer:
     """The `RecipeTrainer` of a run; LSLM gets its interleaved schedule."""
-    is_lslm = model.config.model_type == "lslm"
-    if is_lslm:
+    callbacks = setup.callbacks
+    if setup.model.config.model_type == "lslm":
         from hf_concept.training.lslm import InterleavedUpdates
 
         callbacks = [*callbacks, InterleavedUpdates()]
-    trainer = RecipeTrainer(
-        model=model,
+    return RecipeTrainer(
+        model=setup.model,
         args=args,
-        train_dataset=train_set,
-        eval_dataset=eval_set,
-        data_collator=data_collator(tokenizer, packing),
-        processing_class=tokenizer,
+        train_dataset=setup.train_set,
+        eval_dataset=setup.eval_set,
+        data_collator=data_collator(setup.tokenizer, options.packing),
+        processing_class=setup.tokenizer,
         callbacks=callbacks,
-        mup=mup,
-        mup_learning_rate=learning_rate,
+        mup=setup.use_mup,
+        mup_learning_rate=options.learning_rate,
     )
-    return trainer
 
 
 def check_sharding_took_effect(trainer: ConceptTrainer) -> None:
