@@ -77,6 +77,7 @@ from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
+from hf_concept.tables import format_table
 
 try:
     from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
@@ -430,11 +431,25 @@ def heading(mode: str) -> str:
     return "trained dynamic router" if mode == TRAINED else f"{mode} chunking"
 
 
+# The figures of a table row between L and the deviation (in percent), in column order, with their formats.
+FIGURE_FORMATS = (
+    ("realised", ".3f"),
+    ("decode_realised", ".2f"),
+    ("source_prefill_ms", ".1f"),
+    ("converted_prefill_ms", ".1f"),
+    ("prefill", ".2f"),
+    ("source_rate", ".1f"),
+    ("converted_rate", ".1f"),
+    ("decode", ".2f"),
+    ("kv", ".4f"),
+    ("ideal", ".4f"),
+)
+
+
 def print_tables(rows: list[Row], models: dict, modes: list[str], args: argparse.Namespace) -> None:
-    header = (
-        f"{'L':>6} {'R pre':>6} {'R dec':>6} {'src ms':>9} {'cmoe ms':>9} {'prefill x':>9} {'src tok/s':>9} "
-        f"{'cmoe tok/s':>10} {'decode x':>8} {'KV ratio':>8} {'ideal':>6} {'dev %':>6}"
-    )
+    headers = ["L", "R pre", "R dec", "src ms", "cmoe ms", "prefill x", "src tok/s", "cmoe tok/s"]
+    headers += ["decode x", "KV ratio", "ideal", "dev %"]
+    widths = (6, 6, 6, 9, 9, 9, 9, 10, 8, 8, 6, 6)
     for mode in modes:
         config = models[mode].config
         print(
@@ -443,16 +458,12 @@ def print_tables(rows: list[Row], models: dict, modes: list[str], args: argparse
             "decode x = converted/source tokens/s, KV = converted/source bytes after prefill, ideal = "
             "(E + D + C/R pre)/L, dev = KV/ideal - 1"
         )
-        print(header)
+        cells = []
         for row in rows:
             fig = mode_figures(row, mode, args, config)
-            print(
-                f"{row.length:>6} {fig['realised']:>6.3f} {fig['decode_realised']:>6.2f} "
-                f"{fig['source_prefill_ms']:>9.1f} "
-                f"{fig['converted_prefill_ms']:>9.1f} {fig['prefill']:>9.2f} {fig['source_rate']:>9.1f} "
-                f"{fig['converted_rate']:>10.1f} {fig['decode']:>8.2f} {fig['kv']:>8.4f} "
-                f"{fig['ideal']:>6.4f} {fig['deviation'] * 100:>+6.2f}"
-            )
+            figures = [format(fig[key], spec) for key, spec in FIGURE_FORMATS]
+            cells.append([row.length, *figures, f"{fig['deviation'] * 100:+.2f}"])
+        print(format_table(headers, cells, align=">", widths=widths, sep=" "))
         print_targets(rows, mode, args, config)
 
 
@@ -523,7 +534,7 @@ def sections_of(model: ConceptMoEForCausalLM) -> Iterator[Sections]:
     sections.wrap(inner, "boundaries", "  boundaries (router/fixed)")
     sections.wrap(modeling_conceptmoe, "emit_concepts", "  emit_concepts (pooling, slots)")
     sections.wrap(inner, "run_concept_model", "  run_concept_model (incl. concept layers)")
-    sections.wrap(concept_stack, "concept_attention_mask", "    concept_attention_mask")
+    sections.wrap(concept_stack, "slot_attention_mask", "    slot_attention_mask")
     sections.wrap(modeling_conceptmoe, "probability_smoothing", "  dechunk EMA (probability_smoothing)")
     sections.wrap(inner, "read_concepts", "  read_concepts")
     sections.wrap(model.lm_head, "forward", "lm_head")

@@ -62,6 +62,7 @@ from hf_concept.modeling.replication import (
     run_count_bias,
 )
 from hf_concept.modeling.transformers_compat import output_cache
+from hf_concept.tables import format_table
 
 TARGET_LENGTH = 4096
 TARGET_RATIO = 1.3
@@ -324,13 +325,14 @@ def print_attention(rows: list[dict[str, float]], args: argparse.Namespace) -> N
     )
     names = ["replicated", *LXM_FORMS]
     columns = ["replicated", "counted", "eager", "sdpa", "prebuilt", "counted x", "eager x", "sdpa x"]
-    print(f"{'L':>6} {'R':>3} {'M':>5} {'mode':>8} " + " ".join(f"{column:>10}" for column in columns))
+    cells = []
     for row in rows:
         for mode, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
             figures = [row[f"{mode}_{name}_ms"] for name in names]
             figures += [row[f"{mode}_{name}_x"] for name in ("counted", "lxm_eager", "lxm_sdpa")]
-            cells = " ".join(f"{figure:>10.2f}" for figure in figures)
-            print(f"{row['length']:>6} {row['ratio']:>3} {row['slots']:>5} {label:>8} {cells}")
+            cells.append([row["length"], row["ratio"], row["slots"], label, *(f"{f:.2f}" for f in figures)])
+    widths = (6, 3, 5, 8, *[10] * len(columns))
+    print(format_table(["L", "R", "M", "mode", *columns], cells, align=">", widths=widths, sep=" "))
     print(
         "columns: counted = the library's L x M form as the model runs it (log(count) bias from each "
         "slot's run of positions, SDPA with it as float mask); eager / sdpa build the (L, M) bias the same "
@@ -518,18 +520,34 @@ def describe_models(dlcm, plain) -> dict[str, int]:
 
 def print_model(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
     print(f"\n[whole model, B=1, no grad; x = plain time / DLCM time; medians of {args.repeats} rounds]")
-    print(
-        f"{'L':>6} {'R':>5} {'DLCM pre ms':>11} {'plain pre ms':>12} {'prefill x':>9} {'DLCM fwd ms':>11} "
-        f"{'plain fwd ms':>12} {'forward x':>9} {'KV B/tok DLCM':>13} {'plain':>7} {'KV ratio':>8} "
-        f"{'ideal':>6}"
-    )
+    headers = [
+        "L",
+        "R",
+        "DLCM pre ms",
+        "plain pre ms",
+        "prefill x",
+        "DLCM fwd ms",
+        "plain fwd ms",
+        "forward x",
+    ]
+    headers += ["KV B/tok DLCM", "plain", "KV ratio", "ideal"]
+    widths = (6, 5, 11, 12, 9, 11, 12, 9, 13, 7, 8, 6)
+    cells = []
     for row in rows:
-        print(
-            f"{row['length']:>6} {row['realised']:>5.2f} {row['dlcm_prefill_ms']:>11.1f} "
-            f"{row['plain_prefill_ms']:>12.1f} {row['prefill_x']:>9.2f} {row['dlcm_forward_ms']:>11.1f} "
-            f"{row['plain_forward_ms']:>12.1f} {row['forward_x']:>9.2f} {row['dlcm_kv_per_token']:>13.0f} "
-            f"{row['plain_kv_per_token']:>7.0f} {row['kv_ratio']:>8.4f} {row['ideal_kv_ratio']:>6.4f}"
-        )
+        prefill = [
+            f"{row['dlcm_prefill_ms']:.1f}",
+            f"{row['plain_prefill_ms']:.1f}",
+            f"{row['prefill_x']:.2f}",
+        ]
+        forward = [
+            f"{row['dlcm_forward_ms']:.1f}",
+            f"{row['plain_forward_ms']:.1f}",
+            f"{row['forward_x']:.2f}",
+        ]
+        kv = [f"{row['dlcm_kv_per_token']:.0f}", f"{row['plain_kv_per_token']:.0f}"]
+        kv += [f"{row['kv_ratio']:.4f}", f"{row['ideal_kv_ratio']:.4f}"]
+        cells.append([row["length"], f"{row['realised']:.2f}", *prefill, *forward, *kv])
+    print(format_table(headers, cells, align=">", widths=widths, sep=" "))
 
 
 def run_model(args: argparse.Namespace) -> dict:

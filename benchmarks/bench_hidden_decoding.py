@@ -64,6 +64,7 @@ from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausal
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
 from hf_concept.modeling.stream_cache import GROWTH_BLOCK_TOKENS, BlockGrowthLayer
 from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
+from hf_concept.tables import format_table
 
 TARGET_STEP_RATIO = 4.6
 # Issue 18: the paper's serving benchmark keeps 83-88% of the source's tokens/s at batch 1.
@@ -475,12 +476,12 @@ def print_training(rows: list[dict], args: argparse.Namespace) -> None:
         f"\n[training step: forward + backward, batch 1, L={args.seq_len}, sdpa; source step "
         f"{rows[0]['source_ms']:.1f} ms; attention is {share:.1%} of the n=1 forward's multiply-adds]"
     )
-    print(f"{'layout':<10} {'n':>2} {'expanded':>8} {'step ms':>10} {'x n=1':>7} {'x est.':>7}")
+    cells = []
     for row in rows:
-        print(
-            f"{row['layout']:<10} {row['streams']:>2} {row['streams'] * args.seq_len:>8} "
-            f"{row['step_ms']:>10.1f} {row['ratio']:>7.2f} {row['estimate']:>7.2f}"
-        )
+        figures = [f"{row['step_ms']:.1f}", f"{row['ratio']:.2f}", f"{row['estimate']:.2f}"]
+        cells.append([row["layout"], row["streams"], row["streams"] * args.seq_len, *figures])
+    headers = ("layout", "n", "expanded", "step ms", "x n=1", "x est.")
+    print(format_table(headers, cells, align="<>", widths=(10, 2, 8, 10, 7, 7), sep=" "))
     target = [row for row in rows if row["layout"] == "1-in-4" and row["streams"] == TARGET_STREAMS]
     if target:
         ratio = target[0]["ratio"]
@@ -493,14 +494,14 @@ def print_training(rows: list[dict], args: argparse.Namespace) -> None:
 
 def print_breakdown(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\n[profile: one 1-in-4 training step, L={args.seq_len}, self CPU ms by kernel kind]")
-    print(f"{'n':>2} {'attention':>10} {'matmul':>10} {'other':>10} {'attn %':>7} {'x n=1':>7}")
     base = sum(rows[0][kind] for kind in ("attention", "matmul", "other"))
+    cells = []
     for row in rows:
         total = row["attention"] + row["matmul"] + row["other"]
-        print(
-            f"{row['streams']:>2} {row['attention']:>10.1f} {row['matmul']:>10.1f} {row['other']:>10.1f} "
-            f"{row['attention'] / total:>7.1%} {total / base:>7.2f}"
-        )
+        figures = [f"{row[kind]:.1f}" for kind in ("attention", "matmul", "other")]
+        cells.append([row["streams"], *figures, f"{row['attention'] / total:.1%}", f"{total / base:.2f}"])
+    headers = ("n", "attention", "matmul", "other", "attn %", "x n=1")
+    print(format_table(headers, cells, align=">", widths=(2, 10, 10, 10, 7, 7), sep=" "))
 
 
 def print_kv(rows: list[dict], args: argparse.Namespace) -> None:
@@ -508,12 +509,12 @@ def print_kv(rows: list[dict], args: argparse.Namespace) -> None:
         f"\n[KV cache after a {args.kv_prompt}-token prefill, fp32; source DynamicCache "
         f"{rows[0]['source_bytes_per_token']:.0f} bytes/token]"
     )
-    print(f"{'layout':<14} {'n':>2} {'bytes/token':>11} {'x source':>8} {'expected':>8}")
+    cells = []
     for row in rows:
-        print(
-            f"{row['layout']:<14} {row['streams']:>2} {row['bytes_per_token']:>11.0f} "
-            f"{row['ratio']:>8.3f} {row['expected']:>8.3f}"
-        )
+        figures = [f"{row['bytes_per_token']:.0f}", f"{row['ratio']:.3f}", f"{row['expected']:.3f}"]
+        cells.append([row["layout"], row["streams"], *figures])
+    headers = ("layout", "n", "bytes/token", "x source", "expected")
+    print(format_table(headers, cells, align="<>", widths=(14, 2, 11, 8, 8), sep=" "))
 
 
 def print_decode(rows: list[dict], args: argparse.Namespace) -> None:
@@ -522,16 +523,19 @@ def print_decode(rows: list[dict], args: argparse.Namespace) -> None:
         "batch; src: the source with transformers' DynamicCache; src blk: the source with the block-growing "
         "layers HD's StreamCache uses]"
     )
-    header = (
-        f"{'layout':<10} {'n':>2} {'batch':>5} {'T':>6} {'src tok/s':>10} {'HD tok/s':>10} {'x source':>8}"
-    )
-    print(f"{header} {'src blk':>8} {'x src blk':>9}")
+    formats = {
+        "source_rate": ".1f",
+        "rate": ".1f",
+        "ratio": ".2f",
+        "blocks_rate": ".1f",
+        "blocks_ratio": ".2f",
+    }
+    cells = []
     for row in rows:
-        print(
-            f"{row['layout']:<10} {row['streams']:>2} {row['batch']:>5} {row['context']:>6} "
-            f"{row['source_rate']:>10.1f} {row['rate']:>10.1f} {row['ratio']:>8.2f} "
-            f"{row['blocks_rate']:>8.1f} {row['blocks_ratio']:>9.2f}"
-        )
+        figures = [format(row[key], spec) for key, spec in formats.items()]
+        cells.append([row["layout"], row["streams"], row["batch"], row["context"], *figures])
+    headers = ("layout", "n", "batch", "T", "src tok/s", "HD tok/s", "x source", "src blk", "x src blk")
+    print(format_table(headers, cells, align="<>", widths=(10, 2, 5, 6, 10, 10, 8, 8, 9), sep=" "))
     target = [
         row
         for row in rows
@@ -550,13 +554,13 @@ def print_decode_profile(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n[decode profile: batch 1, self CPU ms per step by kernel kind, over {args.decode_tokens} steps]"
     )
-    print(f"{'model':<12} {'T':>6} {'attention':>10} {'matmul':>8} {'cache':>8} {'other':>8} {'total':>8}")
+    kinds = ("attention", "matmul", "cache", "other")
+    cells = []
     for row in rows:
-        total = sum(row[kind] for kind in ("attention", "matmul", "cache", "other"))
-        print(
-            f"{row['model']:<12} {row['context']:>6} {row['attention']:>10.2f} {row['matmul']:>8.2f} "
-            f"{row['cache']:>8.2f} {row['other']:>8.2f} {total:>8.2f}"
-        )
+        figures = [row[kind] for kind in kinds]
+        cells.append([row["model"], row["context"], *(f"{f:.2f}" for f in [*figures, sum(figures)])])
+    headers = ("model", "T", *kinds, "total")
+    print(format_table(headers, cells, align="<>", widths=(12, 6, 10, 8, 8, 8, 8), sep=" "))
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -75,6 +75,7 @@ from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.segment_cache import SegmentCache
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, PAD_ID, SEQUENCE_START_ID
 from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
+from hf_concept.tables import format_table
 
 POOLINGS = ("mean", "hops:3")
 PARTS = ("decode", "train", "profile")
@@ -569,14 +570,23 @@ def print_decode(rows: list[dict], args: argparse.Namespace) -> None:
         f"baseline {args.baseline}]"
     )
     name = args.baseline
-    print(f"{'mode':<5} {'model':<12} {'ms/byte':>8} {name + ' ms':>8} {'x ' + name:>7} {'rate':>6}  target")
+    cells = []
     for row in rows:
         verdict = "met" if row["ratio"] <= TARGET_RATIO else "NOT met"
-        print(
-            f"{row['mode']:<5} {row['model']:<12} {row['ms_per_byte']:>8.2f} "
-            f"{row['baseline_ms_per_byte']:>8.2f} {row['ratio']:>7.2f} {row['boundary_rate']:>6.3f}  "
-            f"<= {TARGET_RATIO}x: {verdict}"
+        figures = [f"{row['ms_per_byte']:.2f}", f"{row['baseline_ms_per_byte']:.2f}", f"{row['ratio']:.2f}"]
+        cells.append(
+            [
+                row["mode"],
+                row["model"],
+                *figures,
+                f"{row['boundary_rate']:.3f}",
+                f"<= {TARGET_RATIO}x: {verdict}",
+            ]
         )
+    headers = ("mode", "model", "ms/byte", f"{name} ms", f"x {name}", "rate", "target")
+    widths = (5, 12, 8, 8, 7, 6, None)
+    seps = (" ", " ", " ", " ", " ", "  ")
+    print(format_table(headers, cells, align="<<>>>><", widths=widths, sep=seps))
 
 
 def print_train(rows: list[dict], args: argparse.Namespace) -> None:
@@ -585,12 +595,15 @@ def print_train(rows: list[dict], args: argparse.Namespace) -> None:
         f"\n[training: forward + backward, batch {args.train_batch} x {args.train_context} bytes; "
         f"bytes/s, ratio LSLM / {name} (above 1: faster)]"
     )
-    print(f"{'model':<12} {'bytes/s':>9} {name + ' B/s':>9} {'x ' + name:>7} {'rate':>6}")
-    for row in rows:
-        print(
-            f"{row['model']:<12} {row['bytes_per_s']:>9.0f} {row['baseline_bytes_per_s']:>9.0f} "
-            f"{row['ratio']:>7.2f} {row['boundary_rate']:>6.3f}"
-        )
+    formats = (
+        ("bytes_per_s", ".0f"),
+        ("baseline_bytes_per_s", ".0f"),
+        ("ratio", ".2f"),
+        ("boundary_rate", ".3f"),
+    )
+    cells = [[row["model"], *(format(row[key], spec) for key, spec in formats)] for row in rows]
+    headers = ("model", "bytes/s", f"{name} B/s", f"x {name}", "rate")
+    print(format_table(headers, cells, align="<>", widths=(12, 9, 9, 7, 6), sep=" "))
 
 
 def print_profile(figures: dict) -> None:

@@ -49,6 +49,7 @@ from hf_concept.modeling.forward_only_cache import cache_num_bytes
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
 from hf_concept.modeling.transformers_compat import output_cache
+from hf_concept.tables import format_table
 from hf_concept.training.sweep import atomic_write_json
 
 
@@ -155,18 +156,16 @@ def print_rows(rows: list[dict], args: argparse.Namespace) -> None:
         f"\nprefill / decode ({args.decode_tokens} greedy tokens) / KV after prefill; medians of "
         f"{args.repeats}; x = ratio to the source in this run"
     )
-    print(
-        f"{'model':<12} {'L':>6} {'prefill tok/s':>14} {'x':>6} {'decode tok/s':>13} {'x':>6} "
-        f"{'KV MiB':>8} {'x':>6} {'tok/concept':>11}"
-    )
+    cells = []
     for row in rows:
         concepts = row.get("tokens_per_concept")
-        print(
-            f"{row['model']:<12} {row['length']:>6} {row['prefill_tokens_per_s']:>14.1f} "
-            f"{row['prefill_tokens_per_s_vs_source']:>6.2f} {row['decode_tokens_per_s']:>13.2f} "
-            f"{row['decode_tokens_per_s_vs_source']:>6.2f} {row['kv_bytes'] / 2**20:>8.2f} "
-            f"{row['kv_bytes_vs_source']:>6.2f} {'' if concepts is None else f'{concepts:.2f}':>11}"
-        )
+        prefill = [f"{row['prefill_tokens_per_s']:.1f}", f"{row['prefill_tokens_per_s_vs_source']:.2f}"]
+        decode = [f"{row['decode_tokens_per_s']:.2f}", f"{row['decode_tokens_per_s_vs_source']:.2f}"]
+        kv = [f"{row['kv_bytes'] / 2**20:.2f}", f"{row['kv_bytes_vs_source']:.2f}"]
+        tokens_per_concept = "" if concepts is None else f"{concepts:.2f}"
+        cells.append([row["model"], row["length"], *prefill, *decode, *kv, tokens_per_concept])
+    headers = ("model", "L", "prefill tok/s", "x", "decode tok/s", "x", "KV MiB", "x", "tok/concept")
+    print(format_table(headers, cells, align="<>", widths=(12, 6, 14, 6, 13, 6, 8, 6, 11), sep=" "))
 
 
 def quick_models(folder: Path) -> tuple[Path, Path]:

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_concept.tables import format_table
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_bits_per_byte as runner
@@ -84,51 +86,44 @@ def delta(table: dict[str, dict[int, dict]], name: str, baseline: str, key: str)
 
 def print_compute_table(rows: list[dict]) -> None:
     print("\n[compute] per token against the plain MoE source (hf_concept.compute, context = --context)")
-    print(f"{'configuration':<16}{'concept top-k':>14}{'params':>10}{'active':>10}{'matmul FLOPs':>14}"
-          f"{'all FLOPs':>11}")  # fmt: skip
-    for row in rows:
-        figures = "".join(
-            f"{row[key]:>{width}.3f}"
-            for key, width in (
-                ("parameters", 10),
-                ("active_parameters", 10),
-                ("matmul_flops", 14),
-                ("flops", 11),
-            )
-        )
-        print(f"{row['config']:<16}{row['concept_top_k']:>14}{figures}")
+    keys = ("parameters", "active_parameters", "matmul_flops", "flops")
+    cells = [[row["config"], row["concept_top_k"], *(f"{row[key]:.3f}" for key in keys)] for row in rows]
+    headers = ("configuration", "concept top-k", "params", "active", "matmul FLOPs", "all FLOPs")
+    print(format_table(headers, cells, align="<>", widths=(16, 14, 10, 10, 14, 11), sep=""))
 
 
 def print_scratch_table(table: dict[str, dict[int, dict]]) -> None:
     print(f"\n[§4.5] from scratch, target R = {TARGET_RATIO:g}; Δ = paired difference against no-chunk")
-    print(f"{'configuration':<15}{'held-out loss':>18}{'Δ held-out':>20}{'train loss':>18}{'Δ train':>20}"
-          f"{'inference R':>14}{'sampled R':>14}{'train R (end)':>16}")  # fmt: skip
+    cells = []
     for name in SCRATCH:
         if name not in table:
-            print(f"{name:<15}{NOT_RUN:>18}")
+            cells.append([name, NOT_RUN])
             continue
         ratios = [
             runner.cell(values(table, name, key), 2) if key in table[name][min(table[name])] else "—"
             for key in ("inference_ratio", "sampled_ratio", "train_ratio")
         ]
-        print(f"{name:<15}{runner.cell(values(table, name, 'loss'), 4):>18}"
-              f"{delta(table, name, 'no-chunk', 'loss'):>20}"
-              f"{runner.cell(values(table, name, 'train_loss'), 4):>18}"
-              f"{delta(table, name, 'no-chunk', 'train_loss'):>20}"
-              f"{ratios[0]:>14}{ratios[1]:>14}{ratios[2]:>16}")  # fmt: skip
+        losses = [(runner.cell(values(table, name, key), 4), delta(table, name, "no-chunk", key))
+                  for key in ("loss", "train_loss")]  # fmt: skip
+        cells.append([name, *losses[0], *losses[1], *ratios])
+    headers = ("configuration", "held-out loss", "Δ held-out", "train loss", "Δ train", "inference R",
+               "sampled R", "train R (end)")  # fmt: skip
+    print(format_table(headers, cells, align="<>", widths=(15, 18, 20, 18, 20, 14, 14, 16), sep=""))
 
 
 def print_ct_table(table: dict[str, dict[int, dict]]) -> None:
     print("\n[§4.3] CT conversion; Δ = paired difference against the source continued for the same steps")
-    print(f"{'model':<18}{'right after conversion':>24}{'after continuing':>20}{'Δ':>20}{'inference R':>14}")
+    cells = []
     for name in CT_MODELS:
         if name not in table:
-            print(f"{name:<18}{NOT_RUN:>24}")
+            cells.append([name, NOT_RUN])
             continue
         ratio = runner.cell(values(table, name, "inference_ratio"), 2) if name != "source continued" else "—"
-        print(f"{name:<18}{runner.cell(values(table, name, 'converted_loss'), 4):>24}"
-              f"{runner.cell(values(table, name, 'loss'), 4):>20}"
-              f"{signed(paired(table, name, 'source continued', 'loss')):>20}{ratio:>14}")  # fmt: skip
+        cells.append([name, runner.cell(values(table, name, "converted_loss"), 4),
+                      runner.cell(values(table, name, "loss"), 4),
+                      signed(paired(table, name, "source continued", "loss")), ratio])  # fmt: skip
+    headers = ("model", "right after conversion", "after continuing", "Δ", "inference R")
+    print(format_table(headers, cells, align="<>", widths=(18, 24, 20, 20, 14), sep=""))
 
 
 def directions(scratch: dict, ct: dict) -> dict[str, bool | str | None]:

@@ -35,6 +35,7 @@ import torch
 
 from hf_concept.modeling.configuration_dlcm import DLCMConfig
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
+from hf_concept.tables import format_table
 from hf_concept.training import mup_optimizer
 
 
@@ -151,10 +152,12 @@ def largest_spread(table: dict[str, dict[int, tuple[float, float]]]) -> float:
 
 def print_table(title: str, table: dict[str, dict[int, tuple[float, float]]], widths: Sequence[int]) -> None:
     print(f"\n{title}: mean |x_T - x_0| (mean |x_T|) per layer and width")
-    print(f"{'layer':<10}" + "".join(f"{'w=' + str(w):>20}" for w in widths) + f"{'max/min':>9}")
-    for name, by_width in table.items():
-        cells = "".join(f"{by_width[w][0]:>10.4f} ({by_width[w][1]:>6.3f})" for w in widths)
-        print(f"{name:<10}{cells}{spread(by_width):>9.2f}")
+    rows = [
+        [name, *(f"{by_width[w][0]:.4f} ({by_width[w][1]:>6.3f})" for w in widths), f"{spread(by_width):.2f}"]
+        for name, by_width in table.items()
+    ]
+    headers = ["layer", *(f"w={w}" for w in widths), "max/min"]
+    print(format_table(headers, rows, align="<>", widths=(10, *[20] * len(widths), 9), sep=""))
 
 
 def parse_ints(text: str) -> tuple[int, ...]:

@@ -85,6 +85,7 @@ from hf_concept.evaluation import (
 from hf_concept.modeling.configuration_lslm import PRIOR_LOSSES, LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID, VOCAB_SIZE, ByteTokenizer
+from hf_concept.tables import format_table
 from hf_concept.training.lslm import drop_other_group_gradients
 
 QUICK = dict(
@@ -542,16 +543,15 @@ def load_checkpoint(path: str) -> nn.Module:
 def print_table(results: list[dict], texts: dict[str, str]) -> None:
     sizes = "  ".join(f"{language}={len(text.encode('utf-8'))}" for language, text in texts.items())
     print(f"\nheld-out bits per byte (bytes scored: {sizes}; uniform = {math.log2(VOCAB_SIZE):.2f})")
-    header = f"{'model':<24} {'params':>10} {'train s':>8} {'train loss':>10} " + " ".join(
-        f"{language:>7}" for language in LANGUAGES
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for row in results:
         train_s = f"{row['train_seconds']:.1f}" if row["train_seconds"] is not None else "-"
         train_loss = f"{row['train_loss']:.3f}" if row["train_loss"] is not None else "-"
-        cells = " ".join(f"{row['bits_per_byte'][language]:>7.3f}" for language in LANGUAGES)
-        print(f"{row['model']:<24} {row['parameters']:>10} {train_s:>8} {train_loss:>10} {cells}")
+        figures = [f"{row['bits_per_byte'][language]:.3f}" for language in LANGUAGES]
+        rows.append([row["model"], row["parameters"], train_s, train_loss, *figures])
+    headers = ["model", "params", "train s", "train loss", *LANGUAGES]
+    widths = (24, 10, 8, 10, *[7] * len(LANGUAGES))
+    print(format_table(headers, rows, align="<>", widths=widths, sep=" ", rule="line"))
 
 
 def print_elbo_table(results: list[dict]) -> None:
@@ -562,15 +562,14 @@ def print_elbo_table(results: list[dict]) -> None:
         "\nLSLM ELBO view (bits per byte: byte targets + <nxt> targets = total; bytes per segment; "
         "mean router q)"
     )
-    header = f"{'model':<24} {'lang':>4} {'bytes':>7} {'boundary':>8} {'total':>7} {'B/seg':>8} {'mean q':>6}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        for language, cell in row["elbo_view"].items():
-            print(
-                f"{row['model']:<24} {language:>4} {cell['byte_bits']:>7.3f} {cell['boundary_bits']:>8.3f} "
-                f"{cell['total_bits']:>7.3f} {cell['bytes_per_segment']:>8.2f} {cell['mean_q']:>6.3f}"
-            )
+    cells = [
+        (row["model"], language, f"{cell['byte_bits']:.3f}", f"{cell['boundary_bits']:.3f}",
+         f"{cell['total_bits']:.3f}", f"{cell['bytes_per_segment']:.2f}", f"{cell['mean_q']:.3f}")
+        for row in rows
+        for language, cell in row["elbo_view"].items()
+    ]  # fmt: skip
+    headers = ("model", "lang", "bytes", "boundary", "total", "B/seg", "mean q")
+    print(format_table(headers, cells, align="<>", widths=(24, 4, 7, 8, 7, 8, 6), sep=" ", rule="line"))
 
 
 def trained_row(

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from hf_concept.evaluation import bits_per_byte
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, ByteTokenizer
+from hf_concept.tables import format_table
 
 FAMILIES = ("plain", "dlcm", "conceptmoe", "hidden_decoding", "lslm")
 WARMUP_STEPS = 20
@@ -377,21 +378,21 @@ def write_results(result: dict, out: Path) -> None:
         f"layers {result['layers']}, batch {result['batch_size']} x {result['context']}, "
         f"peak lr {result['lr']}, seed {result['seed']}; corpus {result['corpus']}",
         "",
-        "| family | arm | parameters | steps | tokens | train s | tokens/s | peak GiB | training objective "
-        "| held-out (all) | unit |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    headers = ("family", "arm", "parameters", "steps", "tokens", "train s", "tokens/s", "peak GiB",
+               "training objective", "held-out (all)", "unit")  # fmt: skip
+    rows = []
     for record in result["families"]:
         if "error" in record:
-            lines.append(f"| {record['family']} | failed: {record['error']} | | | | | | | | | |")
+            rows.append((record["family"], f"failed: {record['error']}"))
             continue
         peak = "" if record["peak_memory_gib"] is None else f"{record['peak_memory_gib']:.1f}"
-        lines.append(
-            f"| {record['family']} | {record['arm']} | {record['parameters']:,} | {record['steps']} | "
-            f"{record['tokens']:,} | {record['train_seconds']:.0f} | {record['tokens_per_second']:,.0f} | "
-            f"{peak} | {record['training_objective']:.4f} | {record['heldout']['all']:.4f} | "
-            f"{record['unit']} |"
-        )
+        rows.append(
+            (record["family"], record["arm"], f"{record['parameters']:,}", record["steps"],
+             f"{record['tokens']:,}", f"{record['train_seconds']:.0f}", f"{record['tokens_per_second']:,.0f}",
+             peak, f"{record['training_objective']:.4f}", f"{record['heldout']['all']:.4f}", record["unit"])
+        )  # fmt: skip
+    lines.append(format_table(headers, rows, align="<<>>>>>>>><", markdown=True))
     (out / "gpu_corpus.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

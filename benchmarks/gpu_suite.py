@@ -78,6 +78,7 @@ from hf_concept.modeling.varlen import (
     varlen_attention_forward,
     varlen_reference,
 )
+from hf_concept.tables import format_table
 
 FAMILIES = ("plain", "conceptmoe", "dlcm", "hidden_decoding")
 SMOKE = dict(
@@ -213,8 +214,10 @@ class Results:
         lines += [f"- {key}: {value}" for key, value in self.meta.items() if key != "device"]
         for section, rows in self.sections.items():
             keys = list(dict.fromkeys(key for row in rows for key in row))
-            lines += ["", f"## {section}", "", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-            lines += ["| " + " | ".join(_cell(row.get(key)) for key in keys) + " |" for row in rows]
+            lines += ["", f"## {section}", ""]
+            lines.append(
+                format_table(keys, [[_cell(row.get(key)) for key in keys] for row in rows], markdown=True)
+            )
         return "\n".join(lines) + "\n"
 
 

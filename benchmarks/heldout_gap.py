@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy
 import torch
 
+from hf_concept.tables import format_table
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import corpus_data
@@ -197,11 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(figures: dict) -> None:
     cells = sorted({cell for split in figures.values() for cell in split["cells"]})
-    print("| split | tokens | all | " + " | ".join(cells) + " |")
-    print("| --- | ---: | ---: | " + " | ".join("---:" for _ in cells) + " |")
+    rows = []
     for name, split in figures.items():
         losses = [f"{split['cells'][cell]:.3f}" if cell in split["cells"] else "-" for cell in cells]
-        print(f"| {name} | {split['tokens']} | {split['loss']:.3f} | " + " | ".join(losses) + " |")
+        rows.append([name, split["tokens"], f"{split['loss']:.3f}", *losses])
+    print(format_table(["split", "tokens", "all", *cells], rows, align="<>", markdown=True))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import argparse
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_concept.conversion import convert_to_hidden_decoding
 from hf_concept.data import load_text
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+from hf_concept.tables import format_table
 
 FORMS = {
     "paper (causal, expanded)": dict(cross_stream_mask="causal", cross_stream_positions="expanded"),
@@ -52,6 +54,31 @@ def score(model, rows: torch.Tensor) -> tuple[float, torch.Tensor]:
     return loss.item(), logits
 
 
+def converted_rows(
+    src: Path, streams: list[int], windows: torch.Tensor, source_loss: float, source_logits: torch.Tensor
+) -> Iterator[list[str]]:
+    """The table's rows: the source's, then each conversion's, converted and scored on `windows` when the
+    table asks for the row."""
+    yield ["source", f"{source_loss:.4f}", "—", "—", "—"]
+    for count in streams:
+        for name, settings in FORMS.items():
+            started = time.perf_counter()
+            with tempfile.TemporaryDirectory() as folder:
+                destination = Path(folder) / "hd"
+                convert_to_hidden_decoding(src, destination, num_streams=count, **settings)
+                loss, logits = score(HiddenDecodingForCausalLM.from_pretrained(destination), windows)
+                shutil.rmtree(destination)
+            delta = (logits - source_logits).abs().max().item()
+            seconds = time.perf_counter() - started
+            yield [
+                f"n={count}, {name}",
+                f"{loss:.4f}",
+                f"{loss - source_loss:+.4f}",
+                f"{delta:.2e}",
+                f"{seconds:.0f}",
+            ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", type=Path, help="Source checkpoint folder (safetensors + tokenizer).")
@@ -64,21 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = heldout_windows(args.src, args.context, args.windows)
     source_loss, source_logits = score(AutoModelForCausalLM.from_pretrained(args.src), rows)
     print(f"held-out text: {rows.numel()} tokens in {len(rows)} windows of {args.context}")
-    print("| model | loss (nats/token) | Δ loss | max abs Δlogit | seconds |")
-    print("| --- | --- | --- | --- | --- |")
-    print(f"| source | {source_loss:.4f} | — | — | — |")
-    for streams in (int(value) for value in args.streams.split(",")):
-        for name, settings in FORMS.items():
-            started = time.perf_counter()
-            with tempfile.TemporaryDirectory() as folder:
-                destination = Path(folder) / "hd"
-                convert_to_hidden_decoding(args.src, destination, num_streams=streams, **settings)
-                loss, logits = score(HiddenDecodingForCausalLM.from_pretrained(destination), rows)
-                shutil.rmtree(destination)
-            delta = (logits - source_logits).abs().max().item()
-            seconds = time.perf_counter() - started
-            figures = f"{loss:.4f} | {loss - source_loss:+.4f} | {delta:.2e} | {seconds:.0f}"
-            print(f"| n={streams}, {name} | {figures} |")
+    headers = ("model", "loss (nats/token)", "Δ loss", "max abs Δlogit", "seconds")
+    streams = [int(value) for value in args.streams.split(",")]
+    table = converted_rows(args.src, streams, rows, source_loss, source_logits)
+    # Each row is printed as soon as its conversion is scored.
+    format_table(headers, table, markdown=True, emit=print)
 
 
 if __name__ == "__main__":

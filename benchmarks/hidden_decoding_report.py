@@ -10,6 +10,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from hf_concept.tables import format_table
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_bits_per_byte as runner
@@ -79,13 +81,15 @@ def figures(runs: list[dict]) -> dict[str, dict[int, dict]]:
 
 def print_table(title: str, rows: tuple, table: dict) -> None:
     print(f"\n{title}; Δ = paired difference against the source continued (same seed, same batches)")
-    print(f"{'arm':<28}{'right after conversion':>24}{'after continuing':>20}{'Δ':>20}")
+    cells = []
     for label, name in rows:
         if name not in table:
-            print(f"{label:<28}{NOT_RUN:>24}")
+            cells.append([label, NOT_RUN])
             continue
         converted, continued = (runner.cell(values(table, name, key), 4) for key in ("converted", "loss"))
-        print(f"{label:<28}{converted:>24}{continued:>20}{signed(paired(table, name, BASELINE)):>20}")
+        cells.append([label, converted, continued, signed(paired(table, name, BASELINE))])
+    headers = ("arm", "right after conversion", "after continuing", "Δ")
+    print(format_table(headers, cells, align="<>", widths=(28, 24, 20, 20), sep=""))
 
 
 def print_progressive(runs: list[dict]) -> None:

@@ -82,7 +82,7 @@ NEW_MODULES = (
 LORA_TARGETS = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", help="the source checkpoint folder (safetensors)")
     parser.add_argument("--corpus", help="a build-corpus DatasetDict folder")
@@ -128,10 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the figures here (atomically)")
     parser.add_argument("--save", default=None, help="save the trained model here at the end")
     parser.add_argument("--quick", action="store_true", help="smoke run on a tiny model (seconds)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for name, value in QUICK.items():
-            setattr(args, name, value)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit through `parser.error` on a missing source or corpus and on values out of range."""
     if not args.quick and not (args.source and args.corpus):
         parser.error("--source and --corpus are required (or --quick)")
     for name in ("batch_size", "context", "threads", "eval_bytes", "answer_tokens", "lora_rank"):
@@ -142,7 +143,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     splits = args.eval_splits.split(",")
     if not splits or any(split not in ("validation", "held_out") for split in splits):
         parser.error(f"--eval-splits={args.eval_splits!r}: a list of validation, held_out")
-    args.eval_splits = splits
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    check_args(parser, args)
+    args.eval_splits = args.eval_splits.split(",")
     args.lr = DEFAULT_LR[args.train] if args.lr is None else args.lr
     return args
 

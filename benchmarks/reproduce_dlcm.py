@@ -72,6 +72,7 @@ from hf_concept.data.corpus import corpus_documents
 from hf_concept.modeling.configuration_dlcm import DLCMConfig
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
 from hf_concept.modeling.routing import RatioAccumulator
+from hf_concept.tables import format_table
 from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
@@ -331,12 +332,14 @@ def by_config(runs: list[dict]) -> dict[str, list[dict]]:
 
 def print_curve_table(runs: list[dict]) -> None:
     print(f"\n[Figure 8] realised tokens per concept on the training batches, target R = {TARGET_RATIO:g}")
-    header = "".join(f"{f'{fraction:.0%}':>16}" for fraction in CHECKPOINTS)
+    fractions = [f"{fraction:.0%}" for fraction in CHECKPOINTS]
+    widths = (32, *[16] * len(CHECKPOINTS))
     for key in ("inference_ratio", "sampled_ratio"):
-        print(f"{key.replace('_', ' '):<32}{header}")
-        for name, group in by_config(runs).items():
-            values = "".join(f"{cell([r['curve'][key][f'{f:g}'] for r in group]):>16}" for f in CHECKPOINTS)
-            print(f"  {name:<30}{values}")
+        rows = [
+            [f"  {name}", *(cell([r["curve"][key][f"{f:g}"] for r in group]) for f in CHECKPOINTS)]
+            for name, group in by_config(runs).items()
+        ]
+        print(format_table([key.replace("_", " "), *fractions], rows, align="<>", widths=widths, sep=""))
 
 
 def content_spread(run: dict) -> float:
@@ -347,17 +350,21 @@ def content_spread(run: dict) -> float:
 
 def print_heldout_table(runs: list[dict], split: str = "bundled corpus's validation split") -> None:
     print(f"\n[Table 4] held-out ({split}), target R = {TARGET_RATIO:g}")
-    print(f"{'configuration':<18}{'loss (nats/token)':>20}{'inference ratio':>18}{'sampled ratio':>16}")
+    rows = []
     for name, group in by_config(runs).items():
         figures = [[r["heldout"][key] for r in group] for key in ("loss", "inference_ratio", "sampled_ratio")]
-        print(f"{name:<18}{runner.cell(figures[0], 3):>20}{cell(figures[1]):>18}{cell(figures[2]):>16}")
+        rows.append([name, runner.cell(figures[0], 3), cell(figures[1]), cell(figures[2])])
+    headers = ("configuration", "loss (nats/token)", "inference ratio", "sampled ratio")
+    print(format_table(headers, rows, align="<>", widths=(18, 20, 18, 16), sep=""))
     kinds = list(runs[0]["heldout"]["concept_length"])
     print("\n[§8.3] average concept length (tokens per concept, inference) per content type")
-    print(f"{'configuration':<18}" + "".join(f"{kind:>14}" for kind in kinds) + f"{'max/min':>14}")
+    rows = []
     for name, group in by_config(runs).items():
         lengths = {kind: [r["heldout"]["concept_length"][kind] for r in group] for kind in kinds}
         spread = [content_spread(r) for r in group]
-        print(f"{name:<18}" + "".join(f"{cell(lengths[kind]):>14}" for kind in kinds) + f"{cell(spread):>14}")
+        rows.append([name, *(cell(lengths[kind]) for kind in kinds), cell(spread)])
+    headers = ("configuration", *kinds, "max/min")
+    print(format_table(headers, rows, align="<>", widths=(18, *[14] * (len(kinds) + 1)), sep=""))
 
 
 def directions(runs: list[dict]) -> dict[str, bool | str]:

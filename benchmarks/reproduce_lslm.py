@@ -100,6 +100,7 @@ from hf_concept.evaluation import (
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID, ByteTokenizer
+from hf_concept.tables import format_table
 from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
@@ -510,11 +511,13 @@ def print_score_tables(runs: list[dict], split: str) -> None:
     )
     for field, title in fields:
         print(f"\n[{split} {title}] mean ± std over seeds")
-        print(f"{'model':<6}" + "".join(f"{language:>18}" for language in cells))
-        for name, group in grouped.items():
-            print(f"{name:<6}" + "".join(f"{cell([r[field][lang] for r in group]):>18}" for lang in cells))
+        rows = [
+            [name, *(cell([r[field][lang] for r in group]) for lang in cells)]
+            for name, group in grouped.items()
+        ]
+        print(format_table(["model", *cells], rows, align="<>", widths=(6, *[18] * len(cells)), sep=""))
     print("\n[paired differences, bits per byte] per seed (same batches), mean ± std; < 0: first is better")
-    print(f"{'pair':<12}" + "".join(f"{language:>18}" for language in cells))
+    rows = []
     for first, second in (
         ("lslm", "byte"),
         ("lslm", "gpt2"),
@@ -526,7 +529,8 @@ def print_score_tables(runs: list[dict], split: str) -> None:
         texts = [
             cell([a["bits_per_byte"][lang] - b["bits_per_byte"][lang] for a, b in pairs]) for lang in cells
         ]
-        print(f"{first + '-' + second:<12}" + "".join(f"{text:>18}" for text in texts))
+        rows.append([f"{first}-{second}", *texts])
+    print(format_table(["pair", *cells], rows, align="<>", widths=(12, *[18] * len(cells)), sep=""))
 
 
 def rate_rows(group: list[dict]) -> dict[str, list[float]]:
@@ -542,24 +546,25 @@ def print_boundary_tables(runs: list[dict], split: str) -> None:
     grouped = {name: group for name, group in by_model(runs).items() if name in SEGMENTED}
     cells = list(runs[0]["bits_per_byte"])
     print(f"\n[boundary rate: training (last 10% of steps) vs {split} inference, all languages pooled]")
-    titles = ("train sampled", "train mean q", f"{split} rate", "ratio")
-    print(f"{'model':<6}" + "".join(f"{title:>16}" for title in titles) + "  within ±20%")
+    titles = ("model", "train sampled", "train mean q", f"{split} rate", "ratio", "within ±20%")
+    table = []
     for name, group in grouped.items():
         rows = rate_rows(group)
         within = all(abs(ratio - 1) <= RATE_TOLERANCE for ratio in rows["ratio"])
-        line = "".join(f"{cell(rows[key]):>16}" for key in ("sampled", "mean_q", "heldout", "ratio"))
-        print(f"{name:<6}{line}  {'yes' if within else 'NO'} (every seed)")
+        figures = [cell(rows[key]) for key in ("sampled", "mean_q", "heldout", "ratio")]
+        table.append([name, *figures, f"{'yes' if within else 'NO'} (every seed)"])
+    widths = (6, 16, 16, 16, 16, None)
+    print(format_table(titles, table, align="<>>>><", widths=widths, sep=("", "", "", "", "  ")))
     print(f"\n[{split} segmentation] opens vs word starts (en), UTF-8 character starts (zh, ja)")
     print("(gold rate: the share of gold bytes, i.e. the precision of segments opened at random)")
-    header = ("rate", "bytes/seg", "precision", "recall", "gold rate", "<nxt> bits/B")
-    print(f"{'model':<6}{'lang':>13}" + "".join(f"{title:>16}" for title in header))
+    header = ("model", "lang", "rate", "bytes/seg", "precision", "recall", "gold rate", "<nxt> bits/B")
+    keys = ("rate", "bytes_per_segment", "precision", "recall", "gold_rate", "boundary_bits")
+    table = []
     for name, group in grouped.items():
         for language in cells:
             figures = [run["heldout"]["languages"][language] for run in group]
-            keys = ("rate", "bytes_per_segment", "precision", "recall", "gold_rate", "boundary_bits")
-            print(
-                f"{name:<6}{language:>13}" + "".join(f"{cell([c[key] for c in figures]):>16}" for key in keys)
-            )
+            table.append([name, language, *(cell([c[key] for c in figures]) for key in keys)])
+    print(format_table(header, table, align="<>", widths=(6, 13, *[16] * len(keys)), sep=""))
     print(
         f"\n[{split} examples, seed {runs[0]['seed']}] '|': a segment opens at the character; '·': inside it"
     )
@@ -570,10 +575,12 @@ def print_boundary_tables(runs: list[dict], split: str) -> None:
 
 def print_timings(runs: list[dict], wall: float, args: argparse.Namespace) -> None:
     print(f"\n[wall time] {args.threads} torch threads, seeds {','.join(map(str, args.seeds))}")
-    print(f"{'model':<6}{'train s/seed':>16}{'eval s/seed':>16}{'all seeds s':>14}")
+    rows = []
     for name, group in by_model(runs).items():
         train_s, eval_s = [r["train_seconds"] for r in group], [r["eval_seconds"] for r in group]
-        print(f"{name:<6}{cell(train_s, 1):>16}{cell(eval_s, 1):>16}{sum(train_s) + sum(eval_s):>14.1f}")
+        rows.append([name, cell(train_s, 1), cell(eval_s, 1), f"{sum(train_s) + sum(eval_s):.1f}"])
+    headers = ("model", "train s/seed", "eval s/seed", "all seeds s")
+    print(format_table(headers, rows, align="<>", widths=(6, 16, 16, 14), sep=""))
     print(f"total wall time: {wall:.1f} s ({wall / 60:.1f} min)")
 
 

@@ -86,25 +86,25 @@ def greedy_tokens(folders: dict[str, str], workdir: Path, python: str = sys.exec
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def legacy_code_available() -> bool:
-    """Whether the repository's history holds `LEGACY_CODE_COMMIT` (a shallow clone does not)."""
+def legacy_code_available(commit: str = LEGACY_CODE_COMMIT) -> bool:
+    """Whether the repository's history holds `commit` (a shallow clone does not)."""
     result = subprocess.run(
-        ["git", "-C", str(ROOT), "cat-file", "-e", f"{LEGACY_CODE_COMMIT}^{{commit}}"],
+        ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
         capture_output=True,
     )
     return result.returncode == 0
 
 
-def put_legacy_code(folder: Path) -> list[str]:
-    """Replace the remote code of a saved `folder` with the code of `LEGACY_CODE_COMMIT`: the files that
-    version's `save_pretrained` copies (the auto_map modules and their relative imports). Returns them."""
+def put_legacy_code(folder: Path, commit: str = LEGACY_CODE_COMMIT) -> list[str]:
+    """Replace the remote code of a saved `folder` with the code of `commit`: the files that version's
+    `save_pretrained` copies (the auto_map modules and their relative imports). Returns them."""
     from hf_concept.hub import code_closure
     from hf_concept.upgrade import checkpoint_modules
 
     legacy = folder.parent / f".legacy-code-{folder.name}"
     legacy.mkdir(exist_ok=True)
     listing = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-tree", "--name-only", LEGACY_CODE_COMMIT, f"{LEGACY_CODE_DIR}/"],
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, f"{LEGACY_CODE_DIR}/"],
         capture_output=True,
         text=True,
         check=True,
@@ -112,7 +112,7 @@ def put_legacy_code(folder: Path) -> list[str]:
     for path in listing:
         if path.endswith(".py"):
             text = subprocess.run(
-                ["git", "-C", str(ROOT), "show", f"{LEGACY_CODE_COMMIT}:{path}"],
+                ["git", "-C", str(ROOT), "show", f"{commit}:{path}"],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -126,11 +126,11 @@ def put_legacy_code(folder: Path) -> list[str]:
     return names
 
 
-def legacy_copies(saved: dict[str, str], folder: Path) -> dict[str, str]:
-    """Copies of the `saved` folders under `folder`, each with the code of `LEGACY_CODE_COMMIT`."""
+def legacy_copies(saved: dict[str, str], folder: Path, commit: str = LEGACY_CODE_COMMIT) -> dict[str, str]:
+    """Copies of the `saved` folders under `folder`, each with the code of `commit`."""
     legacy = {}
     for name, path in saved.items():
         legacy[name] = str(folder / name)
         shutil.copytree(path, legacy[name])
-        put_legacy_code(Path(legacy[name]))
+        put_legacy_code(Path(legacy[name]), commit)
     return legacy

@@ -1,5 +1,6 @@
 """`hf-concept upgrade FOLDER`: a folder saved with an earlier version's remote code loads and generates
-the same tokens after the upgrade; anything it does not recognise is refused and left as it was."""
+the same tokens after the upgrade, and carries exactly the current code (files the current code no longer
+imports are removed); anything it does not recognise is refused and left as it was."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from hf_concept.cli import main
 from hf_concept.modeling.transformers_compat import CACHE_NAME
+from tests.conformance.families import FAMILIES
 from tests.saved_checkpoints import (
     fresh_greedy,
     greedy_tokens,
@@ -19,6 +21,12 @@ from tests.saved_checkpoints import (
     legacy_copies,
     save_checkpoints,
 )
+
+SPECS = {spec.name: spec for spec in FAMILIES}
+# A version whose LSLM code imports the concept families' modules (concept_stack, chunking, concept_cache)
+# and whose LSLM and Hidden Decoding code import the plain decoder's model (modeling_plain): folders it
+# saved carry files the current code of those families does not use.
+WIDER_CLOSURE_COMMIT = "29a62fb"
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -118,3 +126,26 @@ def test_dry_run_names_the_changes_and_writes_nothing(saved, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "would change" in out and "replaced: routing.py" in out and "added: transformers_compat.py" in out
     assert digest(folder) == before
+
+
+@pytest.mark.skipif(
+    not legacy_code_available(WIDER_CLOSURE_COMMIT),
+    reason="needs the repository history (not a shallow clone)",
+)
+def test_an_upgrade_removes_the_files_the_current_code_no_longer_imports(saved, tmp_path, capsys):
+    reference = greedy_tokens(saved, tmp_path / "reference")
+    older = legacy_copies(saved, tmp_path / "older", commit=WIDER_CLOSURE_COMMIT)
+    dropped = {"lslm": "chunking.py, concept_cache.py, concept_stack.py, modeling_plain.py"}
+    dropped["hidden-decoding"] = "modeling_plain.py"
+    for name, files in dropped.items():
+        assert set(files.split(", ")) <= {path.name for path in Path(older[name]).glob("*.py")}, name
+    assert greedy_tokens(older, tmp_path / "before") == reference
+    for name, folder in older.items():
+        assert main(["upgrade", folder]) == 0
+        report = capsys.readouterr().out
+        if name in dropped:
+            assert f"  removed: {dropped[name]}\n" in report, report
+        else:
+            assert "removed:" not in report, report
+        assert {path.name for path in Path(folder).glob("*.py")} == set(SPECS[name].remote_code_files)
+    assert greedy_tokens(older, tmp_path / "after") == reference

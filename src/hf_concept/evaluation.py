@@ -72,8 +72,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
 
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
+from hf_concept.modeling.layers import default_position_ids
 from hf_concept.modeling.modeling_lslm import byte_view
-from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM, default_position_ids
+from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
 from hf_concept.modeling.packing import document_starts
 from hf_concept.modeling.tokenization_lslm import (
     BYTE_OFFSET,
@@ -84,6 +85,7 @@ from hf_concept.modeling.tokenization_lslm import (
     VOCAB_SIZE,
     utf8_bytes,
 )
+from hf_concept.utils import eval_mode
 
 DEFAULT_CONTEXT = 256
 CONVENTIONS = ("sliding", "lm-eval")
@@ -231,6 +233,43 @@ def _lm_eval_window(model: nn.Module, context: int | None, stride: int | None, b
     return context
 
 
+def _check_convention(convention: str, normalization: str) -> None:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention={convention!r} must be one of {CONVENTIONS}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r} must be one of {NORMALIZATIONS}")
+    if normalization == "bytes" and convention != "sliding":
+        raise ValueError("normalization='bytes' scores bytes only: use it with convention='sliding'")
+
+
+def _sliding_windows(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    context: int,
+    stride: int | None,
+    batch_size: int,
+) -> tuple[torch.Tensor, list[tuple[int, int, int]], int]:
+    """(tokens `<BoS>` + the text's byte ids, the overlapping windows that score each byte once, bytes)."""
+    stride = _check_window(model, context, stride, batch_size)
+    tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
+    return tokens, scoring_windows(len(tokens), context, stride), len(tokens) - 1
+
+
+def _lm_eval_windows(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    context: int | None,
+    stride: int | None,
+    batch_size: int,
+) -> tuple[torch.Tensor, list[tuple[int, int, int]], int]:
+    """(tokens `<prefix>` + the encoded text, lm-eval's disjoint blocks as windows, the text's bytes)."""
+    length = _lm_eval_window(model, context, stride, batch_size)
+    tokens = torch.tensor(_lm_eval_tokens(tokenizer, text), dtype=torch.long)
+    return tokens, scoring_windows(len(tokens), length + 1, length), len(text.encode("utf-8"))
+
+
 @torch.no_grad()
 def bits_per_byte(
     model: nn.Module,
@@ -265,26 +304,13 @@ def bits_per_byte(
             `<nxt>`, `<bos>` and the other specials, which no byte of the text can take, goes back to the
             bytes instead of being lost (issue 28).
     """
-    if convention not in CONVENTIONS:
-        raise ValueError(f"convention={convention!r} must be one of {CONVENTIONS}")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r} must be one of {NORMALIZATIONS}")
-    if normalization == "bytes" and convention != "sliding":
-        raise ValueError("normalization='bytes' scores bytes only: use it with convention='sliding'")
+    _check_convention(convention, normalization)
     if convention == "lm-eval":
-        length = _lm_eval_window(model, context, stride, batch_size)
-        tokens = torch.tensor(_lm_eval_tokens(tokenizer, text), dtype=torch.long)
-        windows = scoring_windows(len(tokens), length + 1, length)
-        num_bytes = len(text.encode("utf-8"))
+        tokens, windows, num_bytes = _lm_eval_windows(model, tokenizer, text, context, stride, batch_size)
     else:
         context = DEFAULT_CONTEXT if context is None else context
-        stride = _check_window(model, context, stride, batch_size)
-        tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
-        windows = scoring_windows(len(tokens), context, stride)
-        num_bytes = len(tokens) - 1
-    was_training = model.training
-    model.eval()
-    try:
+        tokens, windows, num_bytes = _sliding_windows(model, tokenizer, text, context, stride, batch_size)
+    with eval_mode(model):
         nats = sum(
             _score_batch(
                 model,
@@ -295,8 +321,6 @@ def bits_per_byte(
             )
             for index in range(0, len(windows), batch_size)
         )
-    finally:
-        model.train(was_training)
     return BitsPerByte(nats=nats, num_bytes=num_bytes)
 
 
@@ -405,13 +429,9 @@ def lslm_code_length(
     """The ELBO view of an LSLM on `text`: byte and boundary nats and segments over the same windows as
     `bits_per_byte` (arguments alike; counting rules in the module docstring). `model` is an
     `LSLMForCausalLM`; it runs in eval mode (its training flag is restored afterwards)."""
-    stride = _check_window(model, context, stride, batch_size)
-    tokens = torch.tensor([SEQUENCE_START_ID, *_byte_ids(tokenizer, text)], dtype=torch.long)
-    windows = scoring_windows(len(tokens), context, stride)
+    tokens, windows, num_bytes = _sliding_windows(model, tokenizer, text, context, stride, batch_size)
     totals = torch.zeros(4, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for index in range(0, len(windows), batch_size):
             batch = windows[index : index + batch_size]
             input_ids, attention_mask = padded_windows(tokens, batch)
@@ -420,10 +440,8 @@ def lslm_code_length(
             for row, (start, first, end) in enumerate(batch):
                 scored = slice(first - start, end - start)
                 totals += torch.stack([cost[row, scored].double().sum().cpu() for cost in costs])
-    finally:
-        model.train(was_training)
     byte_nats, boundary_nats, segments, probabilities = totals.tolist()
-    return LSLMCodeLength(byte_nats, boundary_nats, len(tokens) - 1, round(segments), probabilities)
+    return LSLMCodeLength(byte_nats, boundary_nats, num_bytes, round(segments), probabilities)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hf_concept.tables import format_table
 from hf_concept.utils import eval_mode
 
 HIDDEN_DECODING_MODEL_TYPE = "hidden_decoding"
@@ -70,7 +71,7 @@ class StreamProbe:
         below a rule, each stream's mean entropy and how often its top-1 differs from the final stream's."""
         header = ["token"] + [f"E{k}" for k in range(self.num_streams)]
         header[-1] += " (final)"
-        rows = [header]
+        rows = []
         for position, token_id in enumerate(self.token_ids):
             label = _quote(self.token_texts[position]) if self.token_texts is not None else str(token_id)
             cells = [label]
@@ -83,16 +84,12 @@ class StreamProbe:
                 entropy = float(self.entropies[position, stream])
                 cells.append(f"{top} {probability:.2f} H={entropy:.2f}")
             rows.append(cells)
-        rows.append(["mean H"] + [f"H={float(value):.2f}" for value in self.mean_entropy()])
-        rows.append(["top-1 != final"] + [f"{float(value):.0%}" for value in self.differs_from_final()])
-        widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
-        lines = [
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-            for row in rows
+        footer = [
+            ["mean H"] + [f"H={float(value):.2f}" for value in self.mean_entropy()],
+            ["top-1 != final"] + [f"{float(value):.0%}" for value in self.differs_from_final()],
         ]
-        rule = "  ".join("-" * width for width in widths)
         note = "row i: the next-token distribution each stream's state gives at token i; H: entropy in nats"
-        return "\n".join([note, lines[0], rule, *lines[1:-2], rule, *lines[-2:]])
+        return note + "\n" + format_table(header, rows, rule="columns", footer=footer)
 
 
 def _quote(text: str) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import html
 import importlib.util
 import itertools
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 
+from hf_concept.staging import staged
 from hf_concept.utils import eval_mode
 
 HIDDEN_DECODING_MODEL_TYPE = "hidden_decoding"
@@ -173,19 +173,15 @@ def write_html(view: SegmentationView | Sequence[SegmentationView], path: str | 
 
 def write_page(page: str, path: str | Path) -> None:
     """`page` written to `path` as UTF-8, whole or not at all."""
-    _write_whole(Path(path), lambda staged: staged.write_text(page, encoding="utf-8"))
+    _write_whole(Path(path), lambda staging: staging.write_text(page, encoding="utf-8"))
 
 
 def _write_whole(path: Path, write: Callable[[Path], Any]) -> None:
     """`write` into a hidden sibling file, then rename it onto `path`: a failure leaves no partial file."""
     if not path.parent.is_dir():
         raise FileNotFoundError(f"path={str(path)!r}: the folder {str(path.parent)!r} does not exist")
-    staged = path.with_name(f".{path.name}.partial")
-    try:
-        write(staged)
-        os.replace(staged, path)
-    finally:
-        staged.unlink(missing_ok=True)
+    with staged(path) as staging:
+        write(staging)
 
 
 def summary_line(view: SegmentationView) -> str:
@@ -526,9 +522,9 @@ def write_png(view: SegmentationView, path: str | Path, width: int = 80) -> None
         )
     lines = wrap_concepts(view, width)
     if backend == "pillow":
-        _write_whole(path, lambda staged: _write_png_pillow(view, lines, staged))
+        _write_whole(path, lambda staging: _write_png_pillow(view, lines, staging))
     else:
-        _write_whole(path, lambda staged: _write_png_matplotlib(view, lines, width, staged))
+        _write_whole(path, lambda staging: _write_png_matplotlib(view, lines, width, staging))
 
 
 def _write_png_pillow(view: SegmentationView, lines: list[list[tuple[str, int]]], path: Path) -> None:

@@ -1,9 +1,10 @@
 """The registry the conformance suite runs over (DESIGN §7).
 
 A family joins the suite by adding one `FamilySpec` to `FAMILIES`: a tiny fp32 config, its causal-LM
-class, the LoRA targets it recommends, invalid config values that must raise, and — for families with
-learned boundaries — a context manager that forces a fixed boundary pattern, so that comparisons whose
-two sides differ by rounding (eager vs sdpa) cannot flip a boundary decision.
+class, the LoRA targets it recommends, invalid config values that must raise, the remote code its
+checkpoints carry, and — for families with learned boundaries — a context manager that forces a fixed
+boundary pattern, so that comparisons whose two sides differ by rounding (eager vs sdpa) cannot flip a
+boundary decision.
 """
 
 from __future__ import annotations
@@ -31,9 +32,73 @@ class FamilySpec:
     lora_target_modules: tuple[str, ...]
     # (field, bad value): constructing the config with it must raise ValueError naming the field.
     invalid_values: tuple[tuple[str, Any], ...]
+    # The .py files of hf_concept.modeling a checkpoint of the family carries (one `*_CODE` tuple below).
+    remote_code_files: tuple[str, ...]
     force_boundaries: Callable[[torch.nn.Module], contextlib.AbstractContextManager] = no_forcing
     # Output fields the Trainer must log for this family (besides the loss).
     logged_metrics: tuple[str, ...] = ()
+
+
+# The remote code of each family: the auto_map modules (config, model, LSLM's tokenizer) and, transitively,
+# the siblings they import with `from .x import`, which is what save_pretrained and the converters copy
+# and what transformers loads. Declared here, once per family, so that an import that brings in (or drops)
+# a file changes a family's checkpoints only together with this list (tests/test_remote_code_files.py).
+BACKBONE_CODE = (
+    "config_typos.py",
+    "configuration_plain.py",
+    "layers.py",
+    "transformers_compat.py",
+    "varlen.py",
+)
+PLAIN_CODE = (*BACKBONE_CODE, "causal_lm.py", "modeling_plain.py")
+# The cache and loss-term plumbing of the families with a cache of their own (concept, Hidden Decoding, LSLM).
+CACHE_CODE = ("family_cache.py", "forward_only_cache.py", "loss_terms.py")
+# Documents, pooling and boundary math of the families with boundaries (concept, LSLM).
+BOUNDARY_CODE = ("packing.py", "pooling.py", "ratio_step.py", "routing.py")
+CONCEPT_CODE = (
+    *BACKBONE_CODE,
+    *CACHE_CODE,
+    *BOUNDARY_CODE,
+    "causal_lm.py",
+    "chunking.py",
+    "concept_cache.py",
+    "concept_config.py",
+    "concept_stack.py",
+    "concept_views.py",
+    "modeling_plain.py",
+    "scan.py",
+    "smoothing.py",
+)
+CONCEPTMOE_CODE = (*CONCEPT_CODE, "configuration_conceptmoe.py", "modeling_conceptmoe.py")
+DLCM_CODE = (*CONCEPT_CODE, "configuration_dlcm.py", "dlcm_stages.py", "modeling_dlcm.py", "replication.py")
+HIDDEN_DECODING_CODE = (
+    *BACKBONE_CODE,
+    *CACHE_CODE,
+    "causal_lm.py",
+    "configuration_hidden_decoding.py",
+    "hidden_decoding_masks.py",
+    "modeling_hidden_decoding.py",
+    "stream_cache.py",
+    "stream_layers.py",
+    "streams.py",
+)
+LSLM_CODE = (
+    *BACKBONE_CODE,
+    *CACHE_CODE,
+    *BOUNDARY_CODE,
+    "boundary_rules.py",
+    "configuration_lslm.py",
+    "lslm_attention_layout.py",
+    "lslm_generation.py",
+    "lslm_layers.py",
+    "lslm_layout.py",
+    "lslm_loss.py",
+    "lslm_outputs.py",
+    "modeling_lslm.py",
+    "segment_cache.py",
+    "segment_estimators.py",
+    "tokenization_lslm.py",
+)
 
 
 def _plain_config(**overrides: Any):
@@ -331,6 +396,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_plain_config,
         model_class=_plain_class,
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=PLAIN_CODE,
         invalid_values=(("num_key_value_heads", 3), ("hidden_size", 0), ("rms_norm_eps", -1.0)),
     ),
     FamilySpec(
@@ -338,6 +404,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_plain_moe_config,
         model_class=_plain_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        remote_code_files=PLAIN_CODE,
         invalid_values=(("num_experts_per_tok", 9), ("moe_intermediate_size", 0)),
     ),
     FamilySpec(
@@ -345,6 +412,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_conceptmoe_config,
         model_class=_conceptmoe_class,
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=CONCEPTMOE_CODE,
         invalid_values=(("pooling", "max"), ("compression_ratio", 1.0), ("joint_decoding_layers", 3)),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,
@@ -354,6 +422,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_conceptmoe_mean_moe_config,
         model_class=_conceptmoe_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        remote_code_files=CONCEPTMOE_CODE,
         invalid_values=(("dechunk_residual", "input"), ("concept_loop", [0, 2, 1]), ("encoder_layers", 4)),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,
@@ -363,6 +432,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_conceptmoe_concept_topk_config,
         model_class=_conceptmoe_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        remote_code_files=CONCEPTMOE_CODE,
         invalid_values=(
             ("concept_num_experts_per_tok", 5),
             ("concept_num_experts_per_tok", 0),
@@ -377,6 +447,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_hidden_decoding_config,
         model_class=_hidden_decoding_class,
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=HIDDEN_DECODING_CODE,
         invalid_values=(
             ("num_streams", 0),
             ("stream_attention_layout", ["intra", "cross", "intra", "full"]),
@@ -388,6 +459,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_hidden_decoding_token_block_config,
         model_class=_hidden_decoding_class,
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=HIDDEN_DECODING_CODE,
         invalid_values=(
             ("cross_stream_mask", "blockwise"),
             ("cross_stream_positions", "absolute"),
@@ -399,6 +471,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_hidden_decoding_shared_moe_config,
         model_class=_hidden_decoding_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        remote_code_files=HIDDEN_DECODING_CODE,
         invalid_values=(("stream_kv", "pooled"), ("sliding_window", None), ("tie_word_embeddings", True)),
     ),
     FamilySpec(
@@ -406,6 +479,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_dlcm_config,
         model_class=_dlcm_class,
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=DLCM_CODE,
         invalid_values=(
             ("router", "linear"),
             ("concept_layers", 0),
@@ -420,6 +494,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_dlcm_rule_mup_config,
         model_class=_dlcm_class,
         lora_target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+        remote_code_files=DLCM_CODE,
         invalid_values=(("mup_base_width", 0), ("rule_threshold", 1.5), ("num_experts", 4)),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,
@@ -429,6 +504,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_lslm_config,
         model_class=_lslm_class,
         lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=LSLM_CODE,
         invalid_values=(("pooling", "first"), ("prior_mean", 1.5), ("decoder_hidden_size", 30)),
         force_boundaries=_saturated_router,
         logged_metrics=("lm_loss", "kl_loss", "boundary_rate", "compression_ratio"),
@@ -438,6 +514,7 @@ FAMILIES: list[FamilySpec] = [
         make_config=_lslm_hops_config,
         model_class=_lslm_class,
         lora_target_modules=("q_proj", "v_proj", "fc_in", "fc_out"),
+        remote_code_files=LSLM_CODE,
         invalid_values=(("kl_weight", -1.0), ("update_schedule", 0), ("boundary_threshold", 1.5)),
         force_boundaries=_saturated_router,
         logged_metrics=("lm_loss", "kl_loss", "boundary_rate", "compression_ratio"),

@@ -26,6 +26,8 @@ SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Family markers: when the config uses one, the tokenizer must define the same id.
 MARKER_IDS = ("segment_start_token_id", "segment_end_token_id")
 SKIP_FLAG = "--skip-tokenizer-check"
+# Files whose presence means "a tokenizer was saved here" (fast, slow or remote-code tokenizers).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def check_tokenizer(checkpoint: Path, tokenizer: Any, config: Any, tokenizer_path: str | None) -> None:
@@ -75,7 +77,7 @@ def _vocab_mismatches(checkpoint: Path, size: int, vocab_size: int) -> list[str]
     padded = -(-size // VOCAB_PADDING) * VOCAB_PADDING
     # With the checkpoint's own tokenizer present, its class and size are the stronger evidence; a model
     # may also keep unused rows on purpose (a config written for a larger tokenizer).
-    if vocab_size > padded and not _has_tokenizer(checkpoint):
+    if vocab_size > padded and not has_tokenizer(checkpoint):
         return [
             f"it has {size} tokens and the config's vocab_size is {vocab_size}, more than padding "
             f"to a multiple of {VOCAB_PADDING} explains"
@@ -83,9 +85,8 @@ def _vocab_mismatches(checkpoint: Path, size: int, vocab_size: int) -> list[str]
     return []
 
 
-def _has_tokenizer(folder: Path) -> bool:
-    from hf_concept.commands.generate import TOKENIZER_FILES
-
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a tokenizer was saved in `folder` (one of TOKENIZER_FILES is there)."""
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 

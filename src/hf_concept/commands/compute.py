@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from hf_concept.tables import format_table
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -48,12 +50,12 @@ def render(report, source, context: int) -> str:
         ),
         ("total GFLOP per token", report.flops / 1e9, source.flops / 1e9),
     ]
-    width = max(len(name) for name, _, _ in rows)
-    lines = [f"{'per token'.ljust(width)}  {'conceptmoe':>12}  {'source':>12}  {'ratio':>7}"]
-    for name, ours, theirs in rows:
-        ratio = f"{ours / theirs:.3f}" if theirs else "-"
-        lines.append(f"{name.ljust(width)}  {ours:>12.6g}  {theirs:>12.6g}  {ratio:>7}")
-    return "\n".join(lines)
+    cells = [
+        (name, f"{ours:.6g}", f"{theirs:.6g}", f"{ours / theirs:.3f}" if theirs else "-")
+        for name, ours, theirs in rows
+    ]
+    headers = ("per token", "conceptmoe", "source", "ratio")
+    return format_table(headers, cells, align="<>", widths=(None, 12, 12, 7))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_concept.commands.demo_training import training_arguments
+from hf_concept.tables import format_table
+
 PROMPT = "Every morning at six, the"
 SEGMENT_SENTENCE = "The library decided to keep the old maps, because nobody else had drawn the river."
 CHECKPOINTS = ("source", "conceptmoe", "hidden_decoding")
@@ -273,30 +276,6 @@ def corpus_ids(tokenizer, split: str) -> list[int]:
     return ids
 
 
-def training_arguments(work: Path, name: str, steps: int, lr: float, sizes: Any, seed: int):
-    """The demo's `TrainingArguments` for one run (`sizes`: any object with `batch_size`)."""
-    from transformers import TrainingArguments
-
-    return TrainingArguments(
-        output_dir=str(work / f"trainer-{name}"),
-        max_steps=steps,
-        per_device_train_batch_size=sizes.batch_size,
-        learning_rate=lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, steps // 10),
-        weight_decay=0.01,
-        logging_steps=max(1, steps // 4),
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        seed=seed,
-        data_seed=seed,
-        dataloader_num_workers=0,
-        # Otherwise derived from the logging level, which the demo lowers to hide advisory warnings.
-        disable_tqdm=False,
-    )
-
-
 def source_config(tokenizer, sizes: DemoSizes):
     from transformers import LlamaConfig
 
@@ -491,13 +470,13 @@ def _simple_segmentation(model, tokenizer, text: str) -> tuple[str, str]:
 
 def measure_speed(models: dict, data: DemoData, sizes: DemoSizes, results: dict[str, ModelResult]) -> None:
     """Prefill and greedy decode timings (interleaved rounds, medians) and KV bytes after them."""
-    from tqdm.auto import tqdm
+    from hf_concept.progress import progress_bar
 
     prompt = data.speed_prompt(sizes.speed_prompt_tokens)  # (1, P)
     for model in models.values():
         _prefill_and_decode(model, prompt[:, :16], 2)
     samples: dict[str, list[tuple[float, float, int]]] = {name: [] for name in models}
-    rounds = tqdm(range(sizes.speed_repeats), desc="speed rounds", unit="round")
+    rounds = progress_bar(range(sizes.speed_repeats), desc="speed rounds", unit="round")
     for _ in rounds:
         for name, model in models.items():
             samples[name].append(_prefill_and_decode(model, prompt, sizes.decode_tokens))
@@ -610,22 +589,19 @@ def print_table(results: dict[str, ModelResult], sizes: DemoSizes) -> None:
         f"{sizes.speed_repeats} interleaved rounds in this run."
     )
     columns = ("model", "eval loss", "tokens/concept", "KV bytes", "KV x src", "prefill x", "decode x")
-    widths = [11, 9, 14, 10, 8, 9, 8]
-    header = f"{columns[0]:<{widths[0]}} " + " ".join(
-        f"{title:>{width}}" for title, width in zip(columns[1:], widths[1:], strict=True)
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for name in CHECKPOINTS:
         row = results[name]
-        values = (
-            f"{row.eval_loss:.3f}",
-            f"{row.tokens_per_concept:.2f}",
-            f"{row.kv_bytes:,}",
-            f"{row.kv_bytes / source.kv_bytes:.2f}",
-            f"{source.prefill_s / row.prefill_s:.2f}",
-            f"{source.decode_s / row.decode_s:.2f}",
+        rows.append(
+            (
+                ROW_NAMES[name],
+                f"{row.eval_loss:.3f}",
+                f"{row.tokens_per_concept:.2f}",
+                f"{row.kv_bytes:,}",
+                f"{row.kv_bytes / source.kv_bytes:.2f}",
+                f"{source.prefill_s / row.prefill_s:.2f}",
+                f"{source.decode_s / row.decode_s:.2f}",
+            )
         )
-        cells = [f"{ROW_NAMES[name]:<{widths[0]}}"]
-        cells += [f"{value:>{width}}" for value, width in zip(values, widths[1:], strict=True)]
-        print(" ".join(cells))
+    widths = (11, 9, 14, 10, 8, 9, 8)
+    print(format_table(columns, rows, align="<>", widths=widths, sep=" ", rule="line"))

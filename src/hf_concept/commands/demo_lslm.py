@@ -84,7 +84,7 @@ def train_lslm(sizes: LSLMDemoSizes, seed: int, work: Path) -> tuple[Any, Any, d
     import torch
     from transformers import default_data_collator
 
-    from hf_concept.commands.demo import training_arguments
+    from hf_concept.commands.demo_training import training_arguments
     from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
     from hf_concept.modeling.tokenization_lslm import ByteTokenizer
     from hf_concept.training.lslm import InterleavedUpdates

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Files whose presence means "a tokenizer was saved here" (fast, slow or remote-code tokenizers).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from hf_concept.commands import checks
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -110,14 +110,13 @@ def load_checkpoint(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hf_concept.commands import checks
-
     read_model_type(checkpoint)
     source = tokenizer_path if tokenizer_path is not None else str(checkpoint)
-    if Path(source).is_dir() and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+    if Path(source).is_dir() and not checks.has_tokenizer(Path(source)):
         where = f"checkpoint {str(checkpoint)!r}" if tokenizer_path is None else f"--tokenizer {source!r}"
         hint = "; pass --tokenizer PATH (a folder with a saved tokenizer)" if tokenizer_path is None else ""
-        raise FileNotFoundError(f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}")
+        files = ", ".join(checks.TOKENIZER_FILES)
+        raise FileNotFoundError(f"{where} has no tokenizer (none of {files}){hint}")
     device_obj = checks.resolve_device(device)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
@@ -177,10 +176,9 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer, set_seed
 
-    from hf_concept.commands.checks import require_utf8
     from hf_concept.modeling.transformers_compat import output_cache
 
-    require_utf8(args.prompt, "PROMPT")
+    checks.require_utf8(args.prompt, "PROMPT")
     model, tokenizer = load_checkpoint(
         args.checkpoint, args.tokenizer, args.device, args.dtype, not args.skip_tokenizer_check
     )

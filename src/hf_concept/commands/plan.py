@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from hf_concept import planning
+from hf_concept.tables import format_table
 
 MATCH_KINDS = ("with-attention", "without-attention")
 # §6.3: the paper's configuration, used where neither a value nor a fitted law is given.
@@ -187,15 +188,6 @@ def _plan(args: argparse.Namespace) -> tuple[planning.BaselineSpec, list[tuple[s
     return baseline, rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        for row in [header, *rows]
-    ]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def _shape_row(label: str, spec: Any) -> list[str]:
     if isinstance(spec, planning.BaselineSpec):
         heads = f"{spec.num_attention_heads}/{spec.num_key_value_heads}x{spec.head_dim}"
@@ -269,8 +261,8 @@ def render(args: argparse.Namespace, rows: list[tuple[str, Any, Any]]) -> str:
         f"sequences, cross-attention {args.cross_attention}; KV cache {args.dtype_bytes} bytes per entry; "
         "ratios vs the baseline."
     )
-    shapes = _table(shape_header, [_shape_row(label, spec) for label, spec, _ in rows])
-    costs = _table(cost_header, cost_rows)
+    shapes = format_table(shape_header, [_shape_row(label, spec) for label, spec, _ in rows])
+    costs = format_table(cost_header, cost_rows)
     return f"{notes}\n\nShapes (heads: query/KV x head dim)\n{shapes}\n\nCosts per token\n{costs}"
 
 

@@ -206,6 +206,32 @@ def converted_tensors(
         )
 
 
+def _write_checkpoint(
+    src: Path,
+    dst: Path,
+    config,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    total: int,
+    dtype: torch.dtype,
+    max_shard_size: int | str,
+    overwrite: bool,
+    card: dict[str, Any],
+) -> Path:
+    """The `total` tensors as shards, `config` with the remote code, the source's side files and the model
+    card (`card`: its base_model and settings) into `dst`, atomically; returns `dst`."""
+    ConceptMoEModel, ConceptMoEForCausalLM = _model_classes()
+    with atomic_folder(dst, overwrite=overwrite, source=src) as folder:
+        write_tensors(folder, tensors, max_shard_size, total=total, description="convert")
+        config.dtype = dtype
+        config.architectures = [ConceptMoEForCausalLM.__name__]
+        model_classes = {"AutoModel": ConceptMoEModel, "AutoModelForCausalLM": ConceptMoEForCausalLM}
+        write_config_with_remote_code(folder, config, model_classes)
+        copy_side_files(src, folder)
+        # The source's own card may state its licence; the converted weights inherit it.
+        write_model_card(folder, license=card_license(src), name_or_path=str(dst), **card)
+    return dst
+
+
 def convert_to_conceptmoe(
     src: str | Path,
     dst: str | Path,
@@ -240,7 +266,8 @@ def convert_to_conceptmoe(
     dst = check_destination(dst, overwrite, source=src)
     parse_size(max_shard_size)
     source_config = read_source_config(src)
-    options = dict(
+    config = conceptmoe_config_from_source(
+        source_config,
         encoder_layers=encoder_layers,
         decoder_layers=decoder_layers,
         compression_ratio=compression_ratio,
@@ -252,25 +279,9 @@ def convert_to_conceptmoe(
         router_init=router_init,
         pooling=pooling,
     )
-    config = conceptmoe_config_from_source(source_config, **options)
     dtype = resolve_dtype(dtype, source_config)
     check_safetensors_files(src)
     shapes = expected_shapes(config)
     tensors = converted_tensors(src, source_config.model_type, config, shapes, dtype, allow_pickle, seed)
-    ConceptMoEModel, ConceptMoEForCausalLM = _model_classes()
-    with atomic_folder(dst, overwrite=overwrite, source=src) as folder:
-        write_tensors(folder, tensors, max_shard_size, total=len(shapes), description="convert")
-        config.dtype = dtype
-        config.architectures = [ConceptMoEForCausalLM.__name__]
-        model_classes = {"AutoModel": ConceptMoEModel, "AutoModelForCausalLM": ConceptMoEForCausalLM}
-        write_config_with_remote_code(folder, config, model_classes)
-        copy_side_files(src, folder)
-        # The source's own card may state its licence; the converted weights inherit it.
-        write_model_card(
-            folder,
-            base_model=base_model or str(src),
-            license=card_license(src),
-            name_or_path=str(dst),
-            settings={"source_model_type": source_config.model_type},
-        )
-    return dst
+    card = {"base_model": base_model or str(src), "settings": {"source_model_type": source_config.model_type}}
+    return _write_checkpoint(src, dst, config, tensors, len(shapes), dtype, max_shard_size, overwrite, card)

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.layers import RotaryEmbedding
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
+from hf_concept.safetensors_check import safetensors_defect
 
 SUPPORTED_SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_SOURCE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -369,20 +370,14 @@ def check_safetensors_files(folder: Path) -> None:
 
 
 def _check_safetensors_file(path: Path) -> None:
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < header_length <= size - 8:
-            raise ValueError(f"source shard {path} is corrupt or truncated: its header does not fit the file")
-        try:
-            header = json.loads(handle.read(header_length))
-            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            raise ValueError(f"source shard {path} is corrupt: its header is not valid safetensors") from None
-    expected = 8 + header_length + max(ends, default=0)
-    if expected != size:
-        raise ValueError(
-            f"source shard {path} is corrupt or truncated: "
-            f"it has {size} bytes, its header describes {expected}"
-        )
+    defect = safetensors_defect(path)
+    if defect is None:
+        return
+    if defect.kind == "length":
+        raise ValueError(f"source shard {path} is corrupt or truncated: its header does not fit the file")
+    if defect.kind == "header":
+        raise ValueError(f"source shard {path} is corrupt: its header is not valid safetensors")
+    raise ValueError(
+        f"source shard {path} is corrupt or truncated: "
+        f"it has {defect.size} bytes, its header describes {defect.expected}"
+    )

@@ -47,6 +47,9 @@ from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors.torch import save_file
 
+from hf_concept.progress import progress_bar
+from hf_concept.staging import staged
+
 # Files a tokenizer or a generation setup may consist of; whichever exist in the source are copied.
 SIDE_FILES = (
     "tokenizer.json",
@@ -152,11 +155,10 @@ def atomic_folder(
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_folders(dst.parent)
     staging = _marked_folder(dst.parent, dst.name, "tmp")
-    folder = staging / dst.name
     try:
-        folder.mkdir()
-        yield folder
-        _replace(folder, dst)
+        with staged(dst, staging / dst.name, aside=_retired_folder) as folder:
+            folder.mkdir()
+            yield folder
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for parent in made_parents:
@@ -166,22 +168,9 @@ def atomic_folder(
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def _replace(folder: Path, dst: Path) -> None:
-    """Move the complete `folder` to `dst`, replacing an old `dst` only after the move."""
-    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
-        dst.rmdir()
-    if not dst.exists():
-        os.replace(folder, dst)
-        return
-    retired = _marked_folder(dst.parent, dst.name, "old")
-    os.replace(dst, retired / dst.name)
-    try:
-        os.replace(folder, dst)
-    except BaseException:
-        os.replace(retired / dst.name, dst)
-        shutil.rmtree(retired, ignore_errors=True)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
+def _retired_folder(dst: Path) -> Path:
+    """Where an old `dst` waits while the new one is renamed in: marked, so a kill's leftover is known."""
+    return _marked_folder(dst.parent, dst.name, "old")
 
 
 def _marked_folder(parent: Path, name: str, kind: str) -> Path:
@@ -342,10 +331,8 @@ def write_tensors(
     description: str = "writing tensors",
 ) -> list[Path]:
     """Stream (name, tensor) pairs into shards under `folder`, with a progress bar over tensors."""
-    from tqdm.auto import tqdm
-
     writer = ShardWriter(folder, max_shard_size)
-    with tqdm(total=total, desc=description, unit="tensor") as progress:
+    with progress_bar(total=total, desc=description, unit="tensor") as progress:
         for name, tensor in tensors:
             writer.add(name, tensor)
             progress.update()

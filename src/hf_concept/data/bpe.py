@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
+
+from hf_concept.staging import staged
 
 VOCAB_SIZE = 3072
 MIN_FREQUENCY = 2
@@ -104,15 +105,12 @@ def _save_atomically(tokenizer, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        tokenizer.save_pretrained(staging)
-        try:
-            os.replace(staging, folder)
-        except OSError:
-            # Another process finished the same folder first (rename onto a non-empty folder fails).
-            if not (folder / "tokenizer.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with staged(folder, staging):
+            tokenizer.save_pretrained(staging)
+    except OSError:
+        # Another process finished the same folder first (rename onto a non-empty folder fails).
+        if not (folder / "tokenizer.json").is_file():
+            raise
 
 
 def bundled_tokenizer(cache_dir: str | Path | None = None):

@@ -37,6 +37,7 @@ from hf_concept.data.corpus_sources import (
     require_tool,
     select_sources,
 )
+from hf_concept.staging import aside_folder, staged
 
 # (split, upper bound of the document's hash position in [0, 1)); changing these changes every corpus.
 SPLITS = (("train", 0.90), ("validation", 0.95), ("held_out", 1.0))
@@ -124,18 +125,17 @@ def build_corpus(
         # Left by an interrupted build: never complete, so never reused.
         shutil.rmtree(staging)
     staging.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="hf-concept-corpus-") as scratch:
-            if package_root is None:
-                root = Path(scratch) / "packages"
-                versions = fetch_packages(sources, cache_dir or default_cache_dir(), root, progress)
-            else:
-                root, versions = Path(package_root), {}
-            provenance = _extract_split_save(sources, root, versions, staging, progress)
-        _publish(staging, output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    # An old OUTPUT_DIR is replaced only once the new one is complete.
+    with (
+        staged(output_dir, staging, aside=aside_folder),
+        tempfile.TemporaryDirectory(prefix="hf-concept-corpus-") as scratch,
+    ):
+        if package_root is None:
+            root = Path(scratch) / "packages"
+            versions = fetch_packages(sources, cache_dir or default_cache_dir(), root, progress)
+        else:
+            root, versions = Path(package_root), {}
+        provenance = _extract_split_save(sources, root, versions, staging, progress)
     return provenance
 
 
@@ -179,18 +179,6 @@ def _save(rows: dict[str, dict[str, list[str]]], staging: Path) -> None:
     # An empty split saved with the default zero shards cannot be loaded again; one empty shard can.
     num_shards = {name: 1 for name, split in splits.items() if len(split) == 0}
     DatasetDict(splits).save_to_disk(str(staging), num_shards=num_shards)
-
-
-def _publish(staging: Path, output_dir: Path) -> None:
-    """Rename the finished staging folder to `output_dir` (replacing an old one only now)."""
-    if output_dir.exists():
-        old = output_dir.parent / f".{output_dir.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        output_dir.rename(old)
-        staging.rename(output_dir)
-        shutil.rmtree(old)
-    else:
-        staging.rename(output_dir)
 
 
 def _provenance(

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from hf_concept.data.corpus_sources import TRANSLATION_PREFIX, Source, require_tool
+from hf_concept.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def _document_id(package: str, path: Path, root: Path) -> str:
 
 
 def _progress(items: list, source: Source, progress: bool) -> Iterator:
-    return iter(tqdm(items, desc=source.name, unit="doc", disable=not progress, leave=False))
+    return iter(progress_bar(items, enabled=progress, desc=source.name, unit="doc", leave=False))
 
 
 def _lines_to_text(lines: list[str]) -> str:

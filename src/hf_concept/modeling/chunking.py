@@ -16,8 +16,6 @@ Contract:
   chunk is readable once closed, so each opening closes the chunk before it (possibly the chunk left
   open in the state) and emits it; a token reads the last closed chunk of its own document. The chunk
   still open at the end of the slice goes back into the state.
-- `concept_attention_mask`: a concept attends to earlier-or-equal slots of its row that hold a
-  concept of its own document (and within the sliding window, by RoPE position, for sliding layers).
 """
 
 from __future__ import annotations
@@ -250,27 +248,3 @@ def _open_chunk_state(
     new_state.open_document = pick(documents, state.open_document)
     new_state.has_open = state.has_open | has_chunk
     return new_state
-
-
-def concept_attention_mask(
-    valid: torch.Tensor,
-    documents: torch.Tensor,
-    positions: torch.Tensor,
-    num_queries: int,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Bool (B, 1, Cq, Ck) over all slots (B, Ck); the queries are the last `num_queries` slots.
-
-    A query slot always sees itself, so no softmax row is empty (invalid slots produce unused values).
-    """
-    num_keys = valid.shape[1]
-    key_slots = torch.arange(num_keys, device=valid.device)
-    query_slots = key_slots[num_keys - num_queries :]
-    query_documents = documents[:, num_keys - num_queries :]
-    allowed = valid[:, None, :] & (documents[:, None, :] == query_documents[:, :, None])  # (B, Cq, Ck)
-    allowed = allowed & (key_slots[None, None, :] <= query_slots[None, :, None])
-    if sliding_window is not None:
-        query_positions = positions[:, num_keys - num_queries :]
-        allowed = allowed & (query_positions[:, :, None] - positions[:, None, :] < sliding_window)
-    allowed = allowed | (key_slots[None, None, :] == query_slots[None, :, None])
-    return allowed[:, None]

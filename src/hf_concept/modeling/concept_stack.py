@@ -2,8 +2,6 @@
 
 Legend: B batch, L tokens (this call), C concept slots, D token width, Dc concept width.
 
-- `ConfigView`: the model config seen with a few fields overridden (a concept stack of another width,
-  other heads), every other attribute — `_attn_implementation` included — read live from the model's.
 - `ConceptPassCache`: what one concept layer pass sees as `past_key_values`; it appends to that pass's
   concept K/V in the `ConceptCache`.
 - `ConceptStackMixin`: methods of a concept-level model (`self.config`, `self.chunker`,
@@ -26,12 +24,15 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import logging
 
-from .chunking import concept_attention_mask, fixed_boundaries
+from .causal_lm import CausalLMMixin
+from .chunking import fixed_boundaries
 from .concept_cache import ConceptCache, ConceptState
 from .forward_only_cache import adopt_cache
+from .layers import default_position_ids
 from .loss_terms import LOSS_IN_FORWARD, TRAINERS, warn_loss_terms_dropped
-from .modeling_plain import CausalLMMixin, PlainDecoderModel, default_position_ids
+from .modeling_plain import PlainDecoderModel
 from .packing import document_starts, token_mask
+from .pooling import slot_attention_mask
 from .ratio_step import RatioAccumulator
 from .routing import boundary_decisions, expected_boundaries, ratio_loss, rule_boundaries, scale_aux_loss
 from .transformers_compat import cache_field, cache_kwarg, take_cache
@@ -53,23 +54,6 @@ def isolate_invalid_queries(mask: torch.Tensor | None, valid: torch.Tensor) -> t
         == torch.arange(num_keys - num_queries, num_keys, device=mask.device)[:, None]
     )  # (Cq, Ck)
     return torch.where(query_valid[:, None, :, None], mask, own)
-
-
-class ConfigView:
-    """`config` with `overrides` (e.g. hidden_size=...) on top; everything else read live from `config`."""
-
-    def __init__(self, config: Any, **overrides: Any) -> None:
-        self._config = config
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names not set here. A copy or unpickle builds the object without __init__ and
-        # probes it (`__setstate__`, `__deepcopy__`) before `_config` is set: those probes must fail
-        # plainly, not recurse through this method.
-        config = self.__dict__.get("_config")
-        if config is None:
-            raise AttributeError(name)
-        return getattr(config, name)
 
 
 class ConceptPassCache:
@@ -236,12 +220,10 @@ class ConceptStackMixin:
                 and bool(valid.all())
                 and bool((documents == documents[:, :1]).all())
             )
-            masks["full_attention"] = (
-                None if plain_causal else concept_attention_mask(*slots, num_queries, None)
-            )
+            masks["full_attention"] = None if plain_causal else slot_attention_mask(*slots, num_queries, None)
         if "sliding_attention" in layer_types:
             window = self.config.sliding_window
-            masks["sliding_attention"] = concept_attention_mask(*slots, num_queries, window)
+            masks["sliding_attention"] = slot_attention_mask(*slots, num_queries, window)
         if self.config._attn_implementation == VARLEN_ATTENTION:
             masks = {kind: isolate_invalid_queries(mask, valid) for kind, mask in masks.items()}
         return masks

@@ -4,36 +4,29 @@ Every backbone field is the plain family's (same names, same meaning, same check
 fields split the `num_hidden_layers` layers into encoder / concept / decoder stacks and describe the chunk
 module, pooling, dechunking, joint decoding and compute reallocation (DESIGN §3). `check_fields` raises
 `ValueError` naming the field and the value.
+
+The fields both concept families have (layer split, boundaries, ratio loss, concept width and heads) and
+their checks are `concept_config.ConceptConfig`'s, which this config extends.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from .configuration_plain import (
-    MAX_COUNT,
-    PlainDecoderConfig,
-    _check_int,
-    _check_number,
-    _is_int,
-    _is_number,
-)
-from .transformers_compat import CACHE_KEYS
+from .concept_config import BOUNDARY_NOISE_KINDS, CHUNKING_KINDS, RATIO_SCOPES, ConceptConfig
+from .configuration_plain import MAX_COUNT, _check_int, _check_number, _is_int
 
-CHUNKING_KINDS = ("dynamic", "fixed")
 ROUTER_KINDS = ("cosine", "linear")
 ROUTER_INITS = ("random", "identity")
-BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
 POOLING_KINDS = ("first", "sum", "mean")
 DECHUNK_RESIDUALS = ("output", "delta")
-RATIO_SCOPES = ("global", "batch", "sequence")
 # Joint decoding on the last J decoder layers; None means min(DEFAULT_JOINT_LAYERS, decoder_layers).
 DEFAULT_JOINT_LAYERS = 4
 # What a config saved before `joint_decoding_norm` existed meant by leaving it out (issue 29).
 LEGACY_FIELDS = {"joint_decoding_norm": False}
 
 
-class ConceptMoEConfig(PlainDecoderConfig):
+class ConceptMoEConfig(ConceptConfig):
     """Config of `ConceptMoEForCausalLM`.
 
     `num_hidden_layers` = encoder_layers + concept layers + decoder_layers; the concept layers are the
@@ -49,49 +42,22 @@ class ConceptMoEConfig(PlainDecoderConfig):
     """
 
     model_type = "conceptmoe"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = [
-        *CACHE_KEYS,
-        "lm_loss",
-        "aux_loss",
-        "compression_ratio",
-        "inference_compression_ratio",
-        "sampled_compression_ratio",
-        "boundary_prob_mean",
-        "hidden_states",
-    ]
+    auto_model_entry = "modeling_conceptmoe.ConceptMoEModel"
 
     num_hidden_layers: int = 6
-    encoder_layers: int = 2
-    decoder_layers: int = 2
     compression_ratio: float = 2.0
-    chunking: str = "dynamic"
-    router: str = "cosine"
     router_init: str = "random"
-    boundary_noise: str = "bernoulli"
-    boundary_tau: float = 6.0
-    boundary_sigma: float = 0.1
-    boundary_threshold: float = 0.5
     pooling: str = "first"
     dechunk_residual: str = "output"
     joint_decoding_layers: int | None = None
     joint_decoding_norm: bool = True
     concept_loop: list[int] | None = None
-    concept_hidden_size: int | None = None
     concept_num_experts_per_tok: int | None = None
-    concept_num_attention_heads: int | None = None
-    concept_num_key_value_heads: int | None = None
-    concept_intermediate_size: int | None = None
     concept_moe_intermediate_size: int | None = None
-    aux_loss_weight: float = 0.03
-    ratio_scope: str = "global"
 
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.concept_loop, tuple):
             self.concept_loop = list(self.concept_loop)
-        # The parent merges this with any saved auto_map and keeps our AutoModel entry.
-        auto_map = {"AutoModel": "modeling_conceptmoe.ConceptMoEModel"}
-        auto_map.update(kwargs.pop("auto_map", None) or {})
-        kwargs["auto_map"] = auto_map
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -174,35 +140,21 @@ class ConceptMoEConfig(PlainDecoderConfig):
             raise ValueError(f"joint_decoding_norm={self.joint_decoding_norm!r} must be True or False")
 
     def _check_choices(self) -> None:
-        choices = {
-            "chunking": CHUNKING_KINDS,
-            "router": ROUTER_KINDS,
-            "router_init": ROUTER_INITS,
-            "boundary_noise": BOUNDARY_NOISE_KINDS,
-            "pooling": POOLING_KINDS,
-            "dechunk_residual": DECHUNK_RESIDUALS,
-            "ratio_scope": RATIO_SCOPES,
-        }
-        for name, allowed in choices.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} must be one of {allowed}")
+        self._check_one_of(
+            {
+                "chunking": CHUNKING_KINDS,
+                "router": ROUTER_KINDS,
+                "router_init": ROUTER_INITS,
+                "boundary_noise": BOUNDARY_NOISE_KINDS,
+                "pooling": POOLING_KINDS,
+                "dechunk_residual": DECHUNK_RESIDUALS,
+                "ratio_scope": RATIO_SCOPES,
+            }
+        )
 
     def _check_numbers(self) -> None:
-        ratio, limit = self.compression_ratio, self.max_position_embeddings
-        # R tokens per concept: beyond max_position_embeddings not even the longest sequence holds one.
-        if self.chunking == "fixed":
-            valid = _is_number(ratio) and 1 <= ratio <= limit and float(ratio).is_integer()
-            rule = f"an integer in [1, max_position_embeddings={limit}] for chunking='fixed'"
-        else:
-            valid = _is_number(ratio) and 1 < ratio <= limit
-            rule = f"a finite number in (1, max_position_embeddings={limit}] for chunking='dynamic'"
-        if not valid:
-            raise ValueError(f"compression_ratio={ratio!r} must be {rule} (tokens per concept)")
-        # τ sharpens p to p^(1/τ) and σ scales Gaussian noise: any finite positive value is meaningful.
-        _check_number("boundary_tau", self.boundary_tau, 0, brackets="(]")
-        _check_number("boundary_sigma", self.boundary_sigma)
-        _check_number("aux_loss_weight", self.aux_loss_weight)
+        self._check_compression_ratio(" for chunking='dynamic'")
+        self._check_boundary_scales()
         _check_number("boundary_threshold", self.boundary_threshold, 0, 1, brackets="(]")
 
     def _check_compute_reallocation(self) -> None:

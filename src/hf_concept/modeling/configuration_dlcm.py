@@ -35,72 +35,41 @@ concept_hidden_size / base; hidden matrices of a stage start with variance σ²/
 rate (the `mup_*_learning_rate` fields are η_base).
 
 `check_fields` raises `ValueError` naming the field and the value.
+
+The fields both concept families have (layer split, boundaries, ratio loss, concept width and heads) and
+their checks are `concept_config.ConceptConfig`'s, which this config extends.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from .configuration_plain import (
-    MAX_COUNT,
-    MAX_SIZE,
-    PlainDecoderConfig,
-    _check_int,
-    _check_number,
-    _is_int,
-    _is_number,
-)
+from .concept_config import BOUNDARY_NOISE_KINDS, CHUNKING_KINDS, RATIO_SCOPES, ConceptConfig
+from .configuration_plain import MAX_COUNT, MAX_SIZE, _check_int, _check_number, _is_int
 from .dlcm_stages import fill_stage_defaults
-from .transformers_compat import CACHE_KEYS
 
 ROUTER_KINDS = ("cosine", "rule")
-CHUNKING_KINDS = ("dynamic", "fixed")
-BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
-RATIO_SCOPES = ("global", "batch", "sequence")
 SMOOTHING_KINDS = ("ema", "linear")
 CROSS_ATTENTION_FORMS = ("auto", "replicated", "counted")
 
 
-class DLCMConfig(PlainDecoderConfig):
+class DLCMConfig(ConceptConfig):
     """Config of `DLCMForCausalLM`; see the module docstring for the stages and options."""
 
     model_type = "dlcm"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = [
-        *CACHE_KEYS,
-        "lm_loss",
-        "aux_loss",
-        "compression_ratio",
-        "inference_compression_ratio",
-        "sampled_compression_ratio",
-        "boundary_prob_mean",
-        "hidden_states",
-    ]
+    auto_model_entry = "modeling_dlcm.DLCMModel"
 
-    encoder_layers: int = 2
     concept_layers: int = 4
-    decoder_layers: int = 2
     num_hidden_layers: int | None = None
-    concept_hidden_size: int | None = None
-    concept_num_attention_heads: int | None = None
-    concept_num_key_value_heads: int | None = None
     concept_head_dim: int | None = None
-    concept_intermediate_size: int | None = None
     decoder_intermediate_size: int | None = None
     cross_num_attention_heads: int | None = None
     cross_num_key_value_heads: int | None = None
     cross_head_dim: int | None = None
     compression_ratio: float = 4.0
-    chunking: str = "dynamic"
-    router: str = "cosine"
     rule_threshold: float = 0.5
-    boundary_noise: str = "bernoulli"
-    boundary_tau: float = 6.0
-    boundary_sigma: float = 0.1
-    boundary_threshold: float = 0.5
-    ratio_scope: str = "global"
     smoothing: str = "ema"
     cross_attention_form: str = "auto"
-    aux_loss_weight: float = 0.03
     mup_base_width: int | None = None
     mup_token_learning_rate: float = 1e-3
     mup_concept_learning_rate: float = 1e-3
@@ -109,9 +78,6 @@ class DLCMConfig(PlainDecoderConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         self._fill_stage_defaults()
-        auto_map = {"AutoModel": "modeling_dlcm.DLCMModel"}
-        auto_map.update(kwargs.pop("auto_map", None) or {})
-        kwargs["auto_map"] = auto_map
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -181,40 +147,24 @@ class DLCMConfig(PlainDecoderConfig):
             raise ValueError(f"num_experts={self.num_experts!r}: DLCM's stages are dense (use 0)")
 
     def _check_choices(self) -> None:
-        choices = {
-            "router": ROUTER_KINDS,
-            "chunking": CHUNKING_KINDS,
-            "boundary_noise": BOUNDARY_NOISE_KINDS,
-            "ratio_scope": RATIO_SCOPES,
-            "smoothing": SMOOTHING_KINDS,
-            "cross_attention_form": CROSS_ATTENTION_FORMS,
-        }
-        for name, allowed in choices.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} must be one of {allowed}")
+        self._check_one_of(
+            {
+                "router": ROUTER_KINDS,
+                "chunking": CHUNKING_KINDS,
+                "boundary_noise": BOUNDARY_NOISE_KINDS,
+                "ratio_scope": RATIO_SCOPES,
+                "smoothing": SMOOTHING_KINDS,
+                "cross_attention_form": CROSS_ATTENTION_FORMS,
+            }
+        )
         if not isinstance(self.mup_output_scaling, bool):
             raise ValueError(f"mup_output_scaling={self.mup_output_scaling!r} must be a bool")
 
     def _check_numbers(self) -> None:
-        ratio, limit = self.compression_ratio, self.max_position_embeddings
-        # R tokens per concept: beyond max_position_embeddings not even the longest sequence holds one. The
-        # ratio loss divides by R - 1, so learned boundaries need R > 1; fixed chunks have no ratio loss,
-        # and R = 1 (one concept per token) is well defined there.
-        if self.chunking == "fixed":
-            valid = _is_number(ratio) and 1 <= ratio <= limit and float(ratio).is_integer()
-            rule = f"an integer in [1, max_position_embeddings={limit}] for chunking='fixed'"
-        else:
-            valid = _is_number(ratio) and 1 < ratio <= limit
-            rule = f"a finite number in (1, max_position_embeddings={limit}]"
-        if not valid:
-            raise ValueError(f"compression_ratio={ratio!r} must be {rule} (tokens per concept)")
+        self._check_compression_ratio()
         for name in ("rule_threshold", "boundary_threshold"):
             _check_number(name, getattr(self, name), 0, 1, brackets="(]")
-        # τ sharpens p to p^(1/τ) and σ scales Gaussian noise: any finite positive value is meaningful.
-        _check_number("boundary_tau", self.boundary_tau, 0, brackets="(]")
-        _check_number("boundary_sigma", self.boundary_sigma)
-        _check_number("aux_loss_weight", self.aux_loss_weight)
+        self._check_boundary_scales()
         _check_int("mup_base_width", self.mup_base_width, optional=True)
         for name in ("mup_token_learning_rate", "mup_concept_learning_rate", "mup_other_learning_rate"):
             _check_number(name, getattr(self, name), 0, brackets="(]")

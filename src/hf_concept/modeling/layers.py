@@ -22,6 +22,12 @@ hidden_size, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, h
 attention_dropout, _attn_implementation; optional (with defaults): attention_bias, attention_output_bias,
 qk_norm, layer_types, sliding_window, mlp_bias, num_experts, num_experts_per_tok, moe_intermediate_size,
 shared_expert_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers, intermediate_size.
+A stack of another width or other heads than its model (a concept stack, LSLM's stages) passes a
+`ConfigView`: the model's config with those fields overridden, every other attribute — `_attn_implementation`
+included — read live from the model's.
+
+Every family's backbone also takes from here its default RoPE positions (`default_position_ids`) and the
+initialisation of these blocks' weights (`init_backbone_weights`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -206,6 +213,21 @@ class RotaryEmbedding(nn.Module):
         return cos.to(states.dtype), sin.to(states.dtype)
 
 
+def default_position_ids(
+    attention_mask: torch.Tensor | None, length: int, past_length: int, device: torch.device
+) -> torch.Tensor:
+    """(B or 1, L) positions: counted over real tokens when a 2-D mask covers past and new tokens."""
+    if (
+        attention_mask is not None
+        and attention_mask.dim() == 2
+        and attention_mask.shape[-1] == past_length + length
+    ):
+        positions = attention_mask.long().cumsum(-1) - 1
+        # (B, L); pads get 0, they are masked as keys and their own outputs are meaningless.
+        return positions.clamp(min=0)[:, -length:].to(device)
+    return (torch.arange(length, device=device) + past_length).unsqueeze(0)
+
+
 def rotate_half(states: torch.Tensor) -> torch.Tensor:
     first, second = states.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -347,6 +369,23 @@ def recording_attentions(model: nn.Module, recorder: AttentionRecorder | None) -
     finally:
         for module in modules:
             module.attention_recorder = None
+
+
+class ConfigView:
+    """`config` with `overrides` (e.g. hidden_size=...) on top; everything else read live from `config`."""
+
+    def __init__(self, config: Any, **overrides: Any) -> None:
+        self._config = config
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names not set here. A copy or unpickle builds the object without __init__ and
+        # probes it (`__setstate__`, `__deepcopy__`) before `_config` is set: those probes must fail
+        # plainly, not recurse through this method.
+        config = self.__dict__.get("_config")
+        if config is None:
+            raise AttributeError(name)
+        return getattr(config, name)
 
 
 def layer_type_of(config, layer_idx: int) -> str:
@@ -626,3 +665,26 @@ def mlp_residual(layer: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.T
     if isinstance(mixed, tuple):
         mixed, router_logits = mixed
     return hidden_states + mixed, router_logits
+
+
+@torch.no_grad()
+def init_backbone_weights(module: nn.Module, std: float) -> None:
+    """Initialise one leaf module of a backbone built from these blocks; every family's `_init_weights`
+    uses it.
+
+    One branch per leaf type: a parent writing into a child's weights would be skipped (HF_NOTES §4).
+    """
+    if isinstance(module, nn.Linear):
+        init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        init.normal_(module.weight, mean=0.0, std=std)
+        if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+            init.zeros_(module.weight[module.padding_idx])
+    elif isinstance(module, RMSNorm):
+        init.ones_(module.weight)
+    elif isinstance(module, RotaryEmbedding):
+        # Non-persistent buffer: never in a checkpoint, garbage after meta-device loading.
+        inv_freq, module.attention_scaling = module.compute_inv_freq()
+        init.copy_(module.inv_freq, inv_freq)

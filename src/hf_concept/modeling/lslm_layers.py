@@ -10,9 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .concept_stack import ConfigView
 from .configuration_lslm import LSLMConfig
-from .layers import AttentionRecorder, DecoderLayer, RMSNorm, eager_attention_forward, residual_body
+from .layers import (
+    AttentionRecorder,
+    ConfigView,
+    DecoderLayer,
+    RMSNorm,
+    eager_attention_forward,
+    residual_body,
+)
 from .transformers_compat import layer_cache
 
 

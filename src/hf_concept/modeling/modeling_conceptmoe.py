@@ -56,20 +56,20 @@ from .concept_stack import (
     ConceptCausalLMMixin,
     ConceptModelOutput,
     ConceptStackMixin,
-    ConfigView,
     new_concept_cache,
 )
 from .concept_views import ConceptPassViews, concept_model_attentions, emission_index, slot_count
 from .configuration_conceptmoe import ConceptMoEConfig
 from .layers import (
     Attention,
+    ConfigView,
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     attention_recorder,
+    init_backbone_weights,
     recording_attentions,
 )
-from .modeling_plain import init_backbone_weights
 from .packing import last_real_picker
 from .pooling import gather_concepts_to_tokens
 from .routing import straight_through

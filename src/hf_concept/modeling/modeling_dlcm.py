@@ -59,7 +59,6 @@ from .concept_stack import (
     ConceptCausalLMMixin,
     ConceptModelOutput,
     ConceptStackMixin,
-    ConfigView,
     TokenStep,
     new_concept_cache,
 )
@@ -69,14 +68,15 @@ from .layers import (
     MLP,
     Attention,
     AttentionRecorder,
+    ConfigView,
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     attention_recorder,
+    init_backbone_weights,
     recording_attentions,
     residual_body,
 )
-from .modeling_plain import init_backbone_weights
 from .packing import last_real_picker
 from .replication import (
     concept_attention_biased,

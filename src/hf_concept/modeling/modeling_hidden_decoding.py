@@ -57,9 +57,7 @@ Contract:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -67,33 +65,28 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.utils import logging
 
+from .causal_lm import CausalLMMixin, PlainCausalLMOutput, PlainModelOutput
 from .configuration_hidden_decoding import HiddenDecodingConfig
 from .forward_only_cache import adopt_cache
+from .hidden_decoding_masks import StreamMasks, stream_masks
 from .layers import (
     AttentionRecorder,
     RMSNorm,
     RotaryEmbedding,
     SparseMoeBlock,
     attention_recorder,
+    default_position_ids,
+    init_backbone_weights,
     mlp_residual,
     recording_attentions,
 )
 from .loss_terms import LOSS_IN_FORWARD, warn_loss_terms_dropped
-from .modeling_plain import (
-    CausalLMMixin,
-    PlainCausalLMOutput,
-    PlainModelOutput,
-    default_position_ids,
-    init_backbone_weights,
-)
-from .stream_cache import StreamCache, TokenUnits
-from .stream_layers import StreamAttention, StreamDecoderLayer, final_query_mask, widen_token_mask
+from .stream_cache import StreamCache
+from .stream_layers import StreamAttention, StreamDecoderLayer, final_query_mask
 from .streams import (
     deinterleave_streams,
-    expand_attention_mask,
     expand_position_ids,
     interleave_streams,
     token_aligned_weights,
@@ -161,15 +154,6 @@ class HiddenDecodingPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         init_backbone_weights(module, self.config.initializer_range)
-
-
-@dataclass
-class StreamMasks:
-    """One attention mask per stream attention kind, in the form the current kernel wants."""
-
-    intra: Any = None
-    local: Any = None
-    full: Any = None
 
 
 @dataclass
@@ -293,113 +277,6 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
         folded_rope = self.rotary_emb(stream_states, folded_ids) if "intra" in kinds else None
         return StreamPositions(expanded_ids, expanded_rope, folded_ids, folded_rope)
 
-    @property
-    def intra_mask_config(self) -> HiddenDecodingConfig:
-        """A copy of the config whose `sliding_window` is the intra layers' window (tokens)."""
-        intra = copy.copy(self.config)
-        intra.sliding_window = self.config.intra_window
-        return intra
-
-    def stream_masks(
-        self,
-        stream_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache: StreamCache | None,
-        position_ids: torch.Tensor,
-    ) -> StreamMasks:
-        """Masks per kind, sized from the cache layer they serve (built before the cache is updated)."""
-        config, streams = self.config, self.num_streams
-        layout = config.stream_attention_layout
-        batch, _, length, _ = stream_states.shape
-        if attention_mask is None and cache is not None and cache.get_seq_length() == 0:
-            # An empty cache sizes the mask like no cache, but its presence would stop masking_utils from
-            # detecting packed documents in `position_ids`.
-            cache = None
-
-        def probe(rows: int, positions: int) -> torch.Tensor:
-            # masking_utils reads only the batch size, query length, dtype and device of inputs_embeds.
-            return stream_states.new_empty(rows, positions, 0)
-
-        masks = StreamMasks()
-        if config.cross_stream_mask == "token_block":
-            masks.full, masks.local = self.token_block_masks(
-                stream_states, attention_mask, cache, position_ids
-            )
-        elif "full" in layout or "local" in layout:
-            common = dict(
-                config=config,
-                inputs_embeds=probe(batch, length * streams),
-                attention_mask=None
-                if attention_mask is None
-                else expand_attention_mask(attention_mask, streams),
-                position_ids=expand_position_ids(position_ids, streams),
-                **cache_kwarg(cache),
-            )
-            if "full" in layout:
-                masks.full = create_causal_mask(**common, layer_idx=layout.index("full"))
-            if "local" in layout:
-                masks.local = create_sliding_window_causal_mask(**common, layer_idx=layout.index("local"))
-        if "intra" in layout:
-            common = dict(layer_idx=layout.index("intra"), **cache_kwarg(cache))
-            if config.stream_kv == "shared":
-                # SharedKVAttention computes its scores itself and wants a boolean (B, 1, L, T + L) mask.
-                masks.intra = create_causal_mask(
-                    config=SimpleNamespace(_attn_implementation="sdpa"),
-                    inputs_embeds=probe(batch, length),
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    allow_is_causal_skip=False,
-                    **common,
-                )
-            else:
-                windowed = config.intra_window is not None
-                # masking_utils reads the window from config.sliding_window: give it the intra one (tokens).
-                build = create_sliding_window_causal_mask if windowed else create_causal_mask
-                masks.intra = build(
-                    config=self.intra_mask_config if windowed else config,
-                    inputs_embeds=probe(batch * streams, length),
-                    attention_mask=None
-                    if attention_mask is None
-                    else attention_mask.repeat_interleave(streams, 0),
-                    position_ids=position_ids.repeat_interleave(streams, 0),
-                    **common,
-                )
-        return masks
-
-    def token_block_masks(
-        self,
-        stream_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache: StreamCache | None,
-        position_ids: torch.Tensor,
-    ) -> tuple[Any, Any]:
-        """(full, local) token-block masks: built per token by masking_utils (causal, and for local layers a
-        sliding window of whole tokens), sized by the cache in tokens, then widened to S slots per token
-        on both sides (`widen_token_mask`), so every stream of token i sees every stream of tokens ≤ i."""
-        config, streams = self.config, self.num_streams
-        layout = config.stream_attention_layout
-        batch, _, length, _ = stream_states.shape
-        common = dict(
-            inputs_embeds=stream_states.new_empty(batch, length, 0),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **cache_kwarg(None if cache is None else TokenUnits(cache)),
-            # A skipped mask would mean "causal over slots", which the token blocks are not.
-            allow_is_causal_skip=False,
-        )
-        full = local = None
-        if "full" in layout:
-            token_mask = create_causal_mask(config=config, layer_idx=layout.index("full"), **common)
-            full = widen_token_mask(token_mask, streams)
-        if "local" in layout:
-            window_config = copy.copy(config)
-            window_config.sliding_window = config.local_window_tokens
-            token_mask = create_sliding_window_causal_mask(
-                config=window_config, layer_idx=layout.index("local"), **common
-            )
-            local = widen_token_mask(token_mask, streams)
-        return full, local
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -419,21 +296,10 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             warn_loss_terms_dropped(self, "Hidden Decoding", self.extra_loss_terms())
         if self.training and torch.is_grad_enabled():
             self.warn_if_streams_stay_copies()
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
-        batch, _, length, _ = stream_states.shape
-        # The cache first: a static cache comes with a 4-D mask, and the cache is what needs fixing.
-        cache = self._stream_cache(take_cache(cache, kwargs), use_cache)
-        if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.dim() != 2):
-            raise ValueError("attention_mask must be a 2-D (batch, tokens) tensor for Hidden Decoding")
-        if position_ids is None:
-            past_length = cache.get_seq_length() if cache is not None else 0
-            position_ids = default_position_ids(attention_mask, length, past_length, stream_states.device)
-        position_ids = position_ids.expand(batch, -1)
-        if cache is not None:
-            # What `crop` needs to feed these tokens again (family_cache).
-            cache.record_call(self, input_ids, inputs_embeds, attention_mask, position_ids)
-        masks = self.stream_masks(stream_states, attention_mask, cache, position_ids)
+        stream_states, cache, position_ids = self.call_inputs(
+            input_ids, inputs_embeds, attention_mask, position_ids, take_cache(cache, kwargs), use_cache
+        )
+        masks = stream_masks(self.config, stream_states, attention_mask, position_ids, cache)
         positions = self.stream_positions(stream_states, position_ids)
         keep_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -461,6 +327,32 @@ class HiddenDecodingModel(HiddenDecodingPreTrainedModel):
             stream_states=self.norm(stream_states) if output_stream_states else None,
         )
         return output.to_tuple() if return_dict is False else output
+
+    def call_inputs(
+        self,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: Cache | None,
+        use_cache: bool | None,
+    ) -> tuple[torch.Tensor, StreamCache | None, torch.Tensor]:
+        """-> (B, S, L, D) stream states, the call's `StreamCache` (None without one) and (B, L) position
+        ids; a cache records the call (what `crop` needs to feed these tokens again, family_cache)."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        stream_states = self.embed(input_ids, inputs_embeds)  # (B, S, L, D)
+        batch, _, length, _ = stream_states.shape
+        # The cache first: a static cache comes with a 4-D mask, and the cache is what needs fixing.
+        cache = self._stream_cache(cache, use_cache)
+        if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.dim() != 2):
+            raise ValueError("attention_mask must be a 2-D (batch, tokens) tensor for Hidden Decoding")
+        if position_ids is None:
+            past_length = cache.get_seq_length() if cache is not None else 0
+            position_ids = default_position_ids(attention_mask, length, past_length, stream_states.device)
+        position_ids = position_ids.expand(batch, -1)
+        if cache is not None:
+            cache.record_call(self, input_ids, inputs_embeds, attention_mask, position_ids)
+        return stream_states, cache, position_ids
 
     def warn_if_streams_stay_copies(self) -> None:
         """Warn, once per model, when training cannot make the streams differ: every layer treats a token's

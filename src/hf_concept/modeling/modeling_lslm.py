@@ -68,7 +68,6 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 
 from .boundary_rules import rate_matched_ends
-from .chunking import concept_attention_mask
 from .configuration_lslm import LSLMConfig
 from .forward_only_cache import adopt_cache
 from .layers import (
@@ -77,6 +76,8 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     attention_recorder,
+    default_position_ids,
+    init_backbone_weights,
     recording_attentions,
 )
 from .loss_terms import prior_loss_terms, warn_loss_terms_dropped
@@ -101,9 +102,8 @@ from .lslm_layout import (
 )
 from .lslm_loss import elbo_fields, label_targets, labels_from_shift_labels
 from .lslm_outputs import LSLMCausalLMOutput, LSLMModelOutput, LSLMPass, at_input_columns
-from .modeling_plain import default_position_ids, init_backbone_weights
 from .packing import document_starts, token_mask
-from .pooling import chunk_index, pool_concepts
+from .pooling import chunk_index, pool_concepts, slot_attention_mask
 from .routing import (
     decision_confidence,
     gumbel_sigmoid,
@@ -237,12 +237,8 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         when given. A cache continues one document per row: with packed rows it is refused, or dropped
         (not filled, `LSLMPass.cache` None) when not `cache_required` (the config's default cache).
         `recorder` records the pass's attention weights (not those of filling the cache)."""
-        batch, length = input_ids.shape
-        mask = token_mask(attention_mask, (batch, length), input_ids.device)
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, length, 0, input_ids.device)
-        starts = document_starts(mask, position_ids.expand(batch, -1))
-        view = byte_view(input_ids, mask, starts, self.config)
+        length = input_ids.shape[1]
+        mask, view = self.input_view(input_ids, attention_mask, position_ids)
         if cache is not None and bool((view.input_documents.amax(dim=1) > 1).any()):
             if cache_required:
                 raise ValueError("use_cache with packed documents: generation continues one document per row")
@@ -284,6 +280,17 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             cache=cache,
             attentions=self.attention_entries(recorder),
         )
+
+    def input_view(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ByteView]:
+        """(B, T) ids -> their (B, T) bool token mask and `ByteView` (documents from `position_ids`)."""
+        batch, length = input_ids.shape
+        mask = token_mask(attention_mask, (batch, length), input_ids.device)
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, length, 0, input_ids.device)
+        starts = document_starts(mask, position_ids.expand(batch, -1))
+        return mask, byte_view(input_ids, mask, starts, self.config)
 
     def attention_layouts(self, recorder: AttentionRecorder | None) -> Callable[[str, Any], None]:
         """-> lay_out(stage, layouts): record the "token", "segment" or "decoder" stage's attention as
@@ -430,7 +437,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             dim=1,
         ).values
         ordinal = torch.arange(num_segments, device=valid.device) - first_of_document  # (B, M)
-        attention = concept_attention_mask(valid, segment_documents, ordinal, num_segments, None)
+        attention = slot_attention_mask(valid, segment_documents, ordinal, num_segments, None)
         rope = self.rotary_emb(pooled, ordinal)
         states = pooled
         for layer in self.segment_layers:

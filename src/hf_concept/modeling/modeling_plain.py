@@ -26,78 +26,22 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import ModelOutput
 
+from .causal_lm import CausalLMMixin, PlainModelOutput
 from .configuration_plain import PlainDecoderConfig
-from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, attention_recorder, recording_attentions
-from .transformers_compat import CACHE_KEYS, cache_field, cache_kwarg, take_cache
-
-
-def default_position_ids(
-    attention_mask: torch.Tensor | None, length: int, past_length: int, device: torch.device
-) -> torch.Tensor:
-    """(B or 1, L) positions: counted over real tokens when a 2-D mask covers past and new tokens."""
-    if (
-        attention_mask is not None
-        and attention_mask.dim() == 2
-        and attention_mask.shape[-1] == past_length + length
-    ):
-        positions = attention_mask.long().cumsum(-1) - 1
-        # (B, L); pads get 0, they are masked as keys and their own outputs are meaningless.
-        return positions.clamp(min=0)[:, -length:].to(device)
-    return (torch.arange(length, device=device) + past_length).unsqueeze(0)
-
-
-@cache_field
-class PlainModelOutput(ModelOutput):
-    """Backbone output: transformers' `MoeModelOutputWithPast` fields, the cache under the installed
-    release's name (`transformers_compat.cache_field`)."""
-
-    last_hidden_state: torch.Tensor | None = None
-    cache: Cache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-
-
-@cache_field
-class PlainCausalLMOutput(ModelOutput):
-    """Causal-LM output: transformers' `MoeCausalLMOutputWithPast` fields, the cache under the installed
-    release's name."""
-
-    loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    cache: Cache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-
-
-@torch.no_grad()
-def init_backbone_weights(module: nn.Module, std: float) -> None:
-    """Initialise one leaf module of a backbone built from `layers`; every family's `_init_weights` uses it.
-
-    One branch per leaf type: a parent writing into a child's weights would be skipped (HF_NOTES §4).
-    """
-    if isinstance(module, nn.Linear):
-        init.normal_(module.weight, mean=0.0, std=std)
-        if module.bias is not None:
-            init.zeros_(module.bias)
-    elif isinstance(module, nn.Embedding):
-        init.normal_(module.weight, mean=0.0, std=std)
-        if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
-            init.zeros_(module.weight[module.padding_idx])
-    elif isinstance(module, RMSNorm):
-        init.ones_(module.weight)
-    elif isinstance(module, RotaryEmbedding):
-        # Non-persistent buffer: never in a checkpoint, garbage after meta-device loading.
-        inv_freq, module.attention_scaling = module.compute_inv_freq()
-        init.copy_(module.inv_freq, inv_freq)
+from .layers import (
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_recorder,
+    default_position_ids,
+    init_backbone_weights,
+    recording_attentions,
+)
+from .transformers_compat import CACHE_KEYS, cache_kwarg, take_cache
 
 
 class PlainDecoderPreTrainedModel(PreTrainedModel):
@@ -241,87 +185,6 @@ class PlainDecoderModel(PlainDecoderPreTrainedModel):
         # The last layer's raw output is replaced by its normed version (transformers' convention).
         all_states[-1] = self.norm(token_states)
         return all_states, all_router_logits
-
-
-def project_logits(
-    lm_head: nn.Module, token_states: torch.Tensor, logits_to_keep: int | torch.Tensor
-) -> torch.Tensor:
-    """(B, L_kept, V) logits of the kept positions: the last `logits_to_keep` (0 = all) or given indices."""
-    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    return lm_head(token_states[:, kept, :])
-
-
-class CausalLMMixin:
-    """`forward` of every causal LM here: backbone, LM head, loss and output fields.
-
-    The class sets `model` (a backbone returning at least `last_hidden_state`, `cache`,
-    `hidden_states`, `attentions`), `lm_head` and `output_class`. `loss_and_fields` gives the loss and
-    the family's output fields: here the next-token cross-entropy alone, the router logits and
-    `extra_output_fields` copied from the backbone's output (plain, Hidden Decoding); the concept
-    families add their auxiliary loss and metrics. Extra keyword arguments reach the backbone and the
-    loss (which ignores what it does not know); `output_attentions` reaches the backbone alone.
-    """
-
-    output_class: ClassVar[type] = PlainCausalLMOutput
-    extra_output_fields: ClassVar[tuple[str, ...]] = ()
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Any,
-    ) -> ModelOutput | tuple:
-        return_dict = kwargs.pop("return_dict", None)
-        cache = take_cache(cache, kwargs)
-        # For the backbone alone: the loss must not receive it.
-        output_attentions = kwargs.pop("output_attentions", None)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            **self.backbone_kwargs(labels, kwargs),
-        )
-        # (B, L_kept, V)
-        logits = self.scale_logits(project_logits(self.lm_head, outputs.last_hidden_state, logits_to_keep))
-        output = self.output_class(
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            **self.loss_and_fields(outputs, logits, labels, kwargs),
-        )
-        return output.to_tuple() if return_dict is False else output
-
-    def backbone_kwargs(self, labels: torch.Tensor | None, kwargs: dict) -> dict:
-        """Hook for the keyword arguments the backbone gets beyond the inputs (Hidden Decoding asks for
-        every stream's states when its loss needs them); `kwargs` as they are here."""
-        return kwargs
-
-    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Hook for output multipliers (DLCM's μP); the identity here."""
-        return logits
-
-    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
-        """Shifted next-token cross-entropy (`self.loss_function`: Trainer's `num_items_in_batch` applies)."""
-        if labels is None:
-            return None
-        return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-
-    def loss_and_fields(
-        self, outputs: ModelOutput, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict
-    ) -> dict[str, Any]:
-        fields = {name: getattr(outputs, name) for name in self.extra_output_fields}
-        return dict(loss=self.lm_loss(logits, labels, kwargs), router_logits=outputs.router_logits, **fields)
 
 
 class PlainDecoderForCausalLM(CausalLMMixin, PlainDecoderPreTrainedModel, GenerationMixin):

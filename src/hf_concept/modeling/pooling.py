@@ -24,6 +24,10 @@ position <= t. With "first", concept m is readable from its opening token on, so
 is in. With "sum", "mean" and "hops:N" the concept depends on where the chunk ends, so it is readable only
 once the chunk has closed: a token reads the previous chunk, and only if that chunk lies in the same
 document; the first chunk of each document reads nothing (index -1: a null concept or zeros).
+
+Slots attending to slots (`slot_attention_mask`: ConceptMoE's and DLCM's concept layers, LSLM's segment
+encoder): a slot reads the earlier-or-equal valid slots of its row that hold its own document, and for a
+sliding layer only those within the window by RoPE position.
 """
 
 from __future__ import annotations
@@ -245,3 +249,29 @@ def gather_concepts_to_tokens(
     table = torch.cat([null_slot, concept_states], dim=1)
     # (B, L, D)
     return torch.gather(table, 1, (index + 1).unsqueeze(-1).expand(-1, -1, width))
+
+
+def slot_attention_mask(
+    valid: torch.Tensor,
+    documents: torch.Tensor,
+    positions: torch.Tensor,
+    num_queries: int,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Bool (B, 1, Cq, Ck) over all slots (B, Ck); the queries are the last `num_queries` slots.
+
+    A slot attends to the earlier-or-equal slots of its row that are `valid` and hold its own document
+    (and, when `sliding_window` is set, lie within it by `positions`). A query slot always sees itself,
+    so no softmax row is empty (invalid slots produce unused values).
+    """
+    num_keys = valid.shape[1]
+    key_slots = torch.arange(num_keys, device=valid.device)
+    query_slots = key_slots[num_keys - num_queries :]
+    query_documents = documents[:, num_keys - num_queries :]
+    allowed = valid[:, None, :] & (documents[:, None, :] == query_documents[:, :, None])  # (B, Cq, Ck)
+    allowed = allowed & (key_slots[None, None, :] <= query_slots[None, :, None])
+    if sliding_window is not None:
+        query_positions = positions[:, num_keys - num_queries :]
+        allowed = allowed & (query_positions[:, :, None] - positions[:, None, :] < sliding_window)
+    allowed = allowed | (key_slots[None, None, :] == query_slots[None, :, None])
+    return allowed[:, None]

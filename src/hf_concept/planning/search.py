@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +125,82 @@ def _width_pair_matches(
     return found
 
 
+@dataclass(frozen=True)
+class _SearchGrid:
+    """The shapes `search_dlcm` tries: every (token width, concept width) pair and the layer-count bounds."""
+
+    token_widths: Sequence[int]
+    concept_widths: Sequence[int] | None
+    step: int
+    hidden_size: int
+    max_token_layers: int
+    max_concept_layers: int
+
+    def width_pairs(self) -> Iterator[tuple[int, int]]:
+        for token_width in self.token_widths:
+            widths = self.concept_widths or range(token_width, 4 * self.hidden_size + 1, self.step)
+            for concept_width in widths:
+                _check_positive_ints_named({"token width": token_width, "concept width": concept_width})
+                yield token_width, concept_width
+
+
+def _search_grid(
+    baseline: BaselineSpec,
+    token_widths: Sequence[int] | None,
+    concept_widths: Sequence[int] | None,
+    max_token_layers: int | None,
+    max_concept_layers: int | None,
+) -> _SearchGrid:
+    """The grid `search_dlcm` searches, its defaults (see its docstring) filled in from `baseline`."""
+    step = max(baseline.head_dim, min(128, baseline.hidden_size // 8))
+    hidden, depth = baseline.hidden_size, baseline.num_hidden_layers
+    grid = _SearchGrid(
+        token_widths=token_widths or range(max(step, (hidden // 2) // step * step), hidden + 1, step),
+        concept_widths=concept_widths,
+        step=step,
+        hidden_size=hidden,
+        max_token_layers=max_token_layers or max(1, depth // 2),
+        max_concept_layers=max_concept_layers or 2 * depth,
+    )
+    _check_positive_ints_named(
+        {"max_token_layers": grid.max_token_layers, "max_concept_layers": grid.max_concept_layers}
+    )
+    return grid
+
+
+# (FLOPs rank, share rank, token width, concept width, layers, FLOPs error, share): smallest is best.
+_RankedMatch = tuple[int, float, int, int, tuple[int, int, int], float, float]
+
+
+def _ranked_matches(
+    baseline: BaselineSpec,
+    compression_ratio: float,
+    grid: _SearchGrid,
+    measure: Callable[[DLCMSpec | BaselineSpec], float],
+    share_range: tuple[float, float],
+    flops_tolerance: float,
+) -> list[_RankedMatch]:
+    """Every match in `grid`, ranked by its FLOPs error, then by its share's distance to the middle of
+    `share_range`."""
+    low, high = share_range
+    target, middle = measure(baseline), (low + high) / 2
+    # FLOPs errors within a tenth of the tolerance rank as equal, so that P decides between them.
+    bucket = flops_tolerance / 10 or 1e-12
+    bounds = (low, high, flops_tolerance, grid.max_token_layers, grid.max_concept_layers)
+    ranked: list[_RankedMatch] = []
+    for token_width, concept_width in grid.width_pairs():
+
+        def build(
+            layers: tuple[int, int, int], pair: tuple[int, int] = (token_width, concept_width)
+        ) -> DLCMSpec:
+            return dlcm_like(baseline, pair[0], pair[1], layers, compression_ratio)
+
+        for error, share, layers in _width_pair_matches(build, target, measure, bounds):
+            rank = (math.floor(abs(error) / bucket), abs(share - middle))
+            ranked.append((*rank, token_width, concept_width, layers, error, share))
+    return ranked
+
+
 def search_dlcm(
     baseline: BaselineSpec,
     compression_ratio: float,
@@ -150,38 +226,14 @@ def search_dlcm(
     encoder and decoder layers from 1 to num_hidden_layers/2 each; concept layers from 1 to
     2 × num_hidden_layers.
     """
-    low, high = _share_range(target_share, share_tolerance)
+    share_range = _share_range(target_share, share_tolerance)
     _check_search_numbers(compression_ratio, flops_tolerance, top_k)
-    step = max(baseline.head_dim, min(128, baseline.hidden_size // 8))
-    hidden, depth = baseline.hidden_size, baseline.num_hidden_layers
-    token_widths = token_widths or range(max(step, (hidden // 2) // step * step), hidden + 1, step)
-    max_token_layers = max_token_layers or max(1, depth // 2)
-    max_concept_layers = max_concept_layers or 2 * depth
-    _check_positive_ints_named(
-        {"max_token_layers": max_token_layers, "max_concept_layers": max_concept_layers}
-    )
+    grid = _search_grid(baseline, token_widths, concept_widths, max_token_layers, max_concept_layers)
 
     def measure(spec: DLCMSpec | BaselineSpec) -> float:
         return inference_flops_per_token(spec, context_length, include_attention=include_attention)
 
-    target, middle = measure(baseline), (low + high) / 2
-    # FLOPs errors within a tenth of the tolerance rank as equal, so that P decides between them.
-    bucket = flops_tolerance / 10 or 1e-12
-    bounds = (low, high, flops_tolerance, max_token_layers, max_concept_layers)
-    ranked: list[tuple[int, float, int, int, tuple[int, int, int], float, float]] = []
-    for token_width in token_widths:
-        widths = concept_widths or range(token_width, 4 * hidden + 1, step)
-        for concept_width in widths:
-            _check_positive_ints_named({"token width": token_width, "concept width": concept_width})
-
-            def build(
-                layers: tuple[int, int, int], pair: tuple[int, int] = (token_width, concept_width)
-            ) -> DLCMSpec:
-                return dlcm_like(baseline, pair[0], pair[1], layers, compression_ratio)
-
-            for error, share, layers in _width_pair_matches(build, target, measure, bounds):
-                rank = (math.floor(abs(error) / bucket), abs(share - middle))
-                ranked.append((*rank, token_width, concept_width, layers, error, share))
+    ranked = _ranked_matches(baseline, compression_ratio, grid, measure, share_range, flops_tolerance)
     best = heapq.nsmallest(top_k, ranked)
     return [
         Candidate(dlcm_like(baseline, item[2], item[3], item[4], compression_ratio), item[5], item[6])

@@ -20,13 +20,13 @@ import os
 import pickle
 import re
 import shutil
-import struct
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hf_concept.safetensors_check import safetensors_defect
 from hf_concept.training.errors import (
     OutputWriteError,
     TrainingDivergedError,
@@ -46,41 +46,19 @@ WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
 WEIGHT_INDEX = "model.safetensors.index.json"
 
 
-# safetensors refuses headers above 100 MB; a larger length field means the file is not one.
-MAX_HEADER_BYTES = 100_000_000
-
-
-def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """(header length, header) of the safetensors file `path`, reading at most the header; ValueError
-    saying what is wrong when the length field or the JSON is not a header's, OSError when unreadable."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{size} bytes, too short for a header")
-        (header_length,) = struct.unpack("<Q", prefix)
-        if header_length > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"header length field {header_length} does not fit a file of {size} bytes")
-        header = json.loads(handle.read(header_length))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    return header_length, header
-
-
 def safetensors_problem(path: Path) -> str | None:
-    """Why `path` is not a whole safetensors file (None when it is): its size must be the 8-byte header
-    length, the JSON header, and the data its offsets reach — a file cut short by a kill fails this, and
-    so does one that is not safetensors at all (only the header is read, however large it claims to be)."""
+    """Why `path` is not a whole safetensors file (None when it is; `hf_concept.safetensors_check` decides):
+    a file cut short by a kill fails this, and so does one that is not safetensors at all (only the header
+    is read, however large it claims to be)."""
     try:
-        header_length, header = safetensors_header(path)
-        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+        defect = safetensors_defect(path)
     except OSError as error:
         return f"{path.name} is unreadable ({error.strerror or type(error).__name__})"
-    except (ValueError, KeyError, TypeError, IndexError) as error:
-        return f"{path.name} is not a valid safetensors file ({type(error).__name__}: {error})"
-    expected = 8 + header_length + max(ends, default=0)
-    size = path.stat().st_size
-    return None if size == expected else f"{path.name} has {size} bytes, its header needs {expected}"
+    if defect is None:
+        return None
+    if defect.kind == "size":
+        return f"{path.name} has {defect.size} bytes, its header needs {defect.expected}"
+    return f"{path.name} is not a valid safetensors file ({defect.detail})"
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -138,7 +116,10 @@ def checkpoint_problems(folder: str | Path) -> list[str]:
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
     """The complete `checkpoint-N` with the highest N in `folder` (None if there is none); every
-    incomplete one that is newer is skipped with a warning naming what it lacks."""
+    incomplete one that is newer is skipped with a warning naming what it lacks.
+
+    Not transformers' `get_last_checkpoint`: that returns the highest-numbered `checkpoint-N` folder
+    whatever it holds, so a checkpoint cut short by a kill or a full disk would be resumed from."""
     folder = Path(folder)
     if not folder.is_dir():
         return None

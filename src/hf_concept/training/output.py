@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel
 
+from hf_concept.tables import format_table
 from hf_concept.training.errors import (
     OutputWriteError,
     is_write_failure,
@@ -23,7 +24,7 @@ from hf_concept.training.errors import (
 )
 
 if TYPE_CHECKING:
-    from hf_concept.training.recipes import RecipeTrainer
+    from hf_concept.training.recipe_trainer import RecipeTrainer
 
 logger = logging.getLogger("hf_concept.train")
 
@@ -64,10 +65,9 @@ class TrainResult:
             ("optimizer steps", str(self.global_step)),
             ("saved to", str(self.output_dir)),
         ]
+        # A rule of fixed length under the values, however long they are (the output path may be).
         width = max(len(name) for name, _ in rows)
-        lines = [f"{'metric'.ljust(width)} | value", f"{'-' * width}-|-{'-' * 12}"]
-        lines += [f"{name.ljust(width)} | {value}" for name, value in rows]
-        return "\n".join(lines)
+        return format_table(("metric", "value"), rows, widths=(width, 12), sep=" | ", rule="line")
 
     def _compression_figure(self) -> str:
         if self.compression is not None:
@@ -211,36 +211,41 @@ def restore_remote_code(model: PreTrainedModel, folder: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def finish(
-    trainer: RecipeTrainer,
-    out: Path,
-    eval_metrics: dict[str, float],
-    details: dict[str, Any],
-    base_model: str | None,
-) -> TrainResult:
-    """Save the trained model (merged if LoRA) with tokenizer and card into `out`; gather the figures."""
-    state, args = trainer.state, trainer.args
-    trainer.save_state()
+def _final_model(trainer: RecipeTrainer) -> tuple[PreTrainedModel, bool]:
+    """(the model to save, whether it is a LoRA model merged into its base)."""
     model = trainer.model
     merged = hasattr(model, "merge_and_unload")
-    if merged:
-        model = model.merge_and_unload()
-    compression = _inference_compression(eval_metrics, state.log_history)
+    return (model.merge_and_unload() if merged else model), merged
+
+
+def _train_result(
+    trainer: RecipeTrainer, out: Path, model: PreTrainedModel, eval_metrics: dict[str, float]
+) -> TrainResult:
+    """The run's figures, from the trainer's log and the final evaluation's metrics."""
+    log_history = trainer.state.log_history
+    compression = _inference_compression(eval_metrics, log_history)
     result = TrainResult(
         output_dir=out,
         model=model,
         tokenizer=trainer.processing_class,
-        log_history=list(state.log_history),
-        global_step=state.global_step,
-        train_loss=_final_train_loss(state.log_history),
+        log_history=list(log_history),
+        global_step=trainer.state.global_step,
+        train_loss=_final_train_loss(log_history),
         eval_loss=eval_metrics.get("eval_loss"),
         compression=compression,
         is_main_process=trainer.is_world_process_zero(),
         metrics=dict(eval_metrics),
+        sampled_compression=_sampled_compression(eval_metrics, log_history),
     )
     if compression is None:
         result.compression_note = _compression_note(trainer, model, bool(eval_metrics))
-    training = {
+    return result
+
+
+def _training_figures(trainer: RecipeTrainer, details: dict[str, Any], result: TrainResult) -> dict[str, Any]:
+    """The model card's training section: the recipe's `details` and the run's settings and figures."""
+    state, args = trainer.state, trainer.args
+    return {
         **details,
         "steps": state.global_step,
         "epochs": round(float(state.epoch or 0.0), 4),
@@ -251,21 +256,35 @@ def finish(
         "seed": args.seed,
         "final_train_loss": result.train_loss,
     }
-    evaluation = {key: float(value) for key, value in eval_metrics.items() if key == "eval_loss"}
-    sampled = result.sampled_compression = _sampled_compression(eval_metrics, state.log_history)
-    if sampled is not None:
+
+
+def _evaluation_figures(result: TrainResult) -> dict[str, float]:
+    """The model card's evaluation section: eval loss and perplexity, and the sampled compression."""
+    evaluation = {key: float(value) for key, value in result.metrics.items() if key == "eval_loss"}
+    if result.sampled_compression is not None:
         # The card shows both rates: the headline (inference) one and the one training samples at.
-        evaluation["training_sampled_compression"] = sampled
+        evaluation["training_sampled_compression"] = result.sampled_compression
     if result.eval_loss is not None:
         evaluation["eval_perplexity"] = math.exp(min(result.eval_loss, 50.0))
-    trainer.check_finite_weights(model)
+    return evaluation
+
+
+def _write_output(
+    trainer: RecipeTrainer,
+    model: PreTrainedModel,
+    merged: bool,
+    result: TrainResult,
+    base_model: str | None,
+    card: dict[str, Any],
+) -> None:
+    """Save model, tokenizer and card (`card`: its figures) into `result.output_dir` through the staging
+    folder; a failure leaves no staging folder, and a write failure becomes an `OutputWriteError`."""
+    out = result.output_dir
     staging = out / STAGING_NAME
     try:
         _save_final(trainer, model, staging, merged)
         if result.is_main_process:
-            result.card_path = _write_card(
-                staging, out, base_model, training=training, evaluation=evaluation, compression=compression
-            )
+            result.card_path = _write_card(staging, out, base_model, **card)
             publish(staging, out)
     except BaseException as error:
         # Nothing half-written stays: the staging folder never looks like a model, but it is garbage.
@@ -278,5 +297,25 @@ def finish(
                 "(the checkpoints are kept)"
             ) from None
         raise
+
+
+def finish(
+    trainer: RecipeTrainer,
+    out: Path,
+    eval_metrics: dict[str, float],
+    details: dict[str, Any],
+    base_model: str | None,
+) -> TrainResult:
+    """Save the trained model (merged if LoRA) with tokenizer and card into `out`; gather the figures."""
+    trainer.save_state()
+    model, merged = _final_model(trainer)
+    result = _train_result(trainer, out, model, eval_metrics)
+    card = {
+        "training": _training_figures(trainer, details, result),
+        "evaluation": _evaluation_figures(result),
+        "compression": result.compression,
+    }
+    trainer.check_finite_weights(model)
+    _write_output(trainer, model, merged, result, base_model, card)
     trainer.accelerator.wait_for_everyone()
     return result

@@ -1,9 +1,10 @@
 """One `train` run per output folder: an exclusive lock held for the whole run.
 
-- The lock is `filelock`'s OS lock (`flock` on Unix) on `OUTPUT/.hf-concept-train.lock`. The kernel drops
-  it when the holding process ends, however it ends (a SIGKILL included), so a lock left by a dead run
-  never blocks the next one. The lock file itself stays (filelock keeps it so that waiters share one
-  inode); holding the lock, not the file's existence, is what counts.
+- The lock is `hf_concept.locking.try_lock` (filelock's OS lock, `flock` on Unix) on
+  `OUTPUT/.hf-concept-train.lock`. The kernel drops it when the holding process ends, however it ends (a
+  SIGKILL included), so a lock left by a dead run never blocks the next one. The lock file itself stays
+  (filelock keeps it so that waiters share one inode); holding the lock, not the file's existence, is what
+  counts.
 - Who holds it (pid, host, start time) is written beside it, `.hf-concept-train.holder.json`, replaced
   atomically; a second run is refused at once with one line naming that holder. The holder file is
   removed when the run ends.
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from hf_concept.locking import try_lock
+from hf_concept.staging import staged
 from hf_concept.training.errors import (
     TrainSetupError,
     failed_write_line,
@@ -91,10 +94,9 @@ def _write_holder(folder: Path) -> None:
         "host": socket.gethostname(),
         "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
     }
-    partial = folder / f"{HOLDER_NAME}.tmp-{os.getpid()}"
-    partial.write_text(json.dumps(record))
     # A refused run reads the holder file at any moment: it sees the whole record or none.
-    os.replace(partial, folder / HOLDER_NAME)
+    with staged(folder / HOLDER_NAME, folder / f"{HOLDER_NAME}.tmp-{os.getpid()}") as partial:
+        partial.write_text(json.dumps(record))
 
 
 def _not_writable(out: Path, error: OSError) -> TrainSetupError:
@@ -114,8 +116,6 @@ def _remove_created(out: Path, made_parents: list[Path]) -> None:
 def lock_output_dir(output_dir: str | Path, main_process: bool = True) -> Iterator[OutputSession]:
     """Hold the exclusive lock on `output_dir` (made if absent) for the `with` block; raise
     `TrainSetupError` naming the holder when another run has it, or when the folder cannot be written."""
-    from filelock import FileLock, Timeout
-
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise TrainSetupError(f"output_dir={str(out)!r} exists and is not a folder")
@@ -124,19 +124,18 @@ def lock_output_dir(output_dir: str | Path, main_process: bool = True) -> Iterat
         yield session
         return
     made_parents = [parent for parent in out.parents if not parent.exists()]
-    lock = FileLock(out / LOCK_NAME, timeout=0)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-    except Timeout:
-        raise TrainSetupError(
-            f"output_dir={str(out)!r} is in use by another hf-concept train run ({_describe_holder(out)}): "
-            "wait for it to finish, or choose another --output-dir"
-        ) from None
+        lock = try_lock(out / LOCK_NAME)
     except OSError as error:
         if session.created:
             _remove_created(out, made_parents)
         raise _not_writable(out, error) from None
+    if lock is None:
+        raise TrainSetupError(
+            f"output_dir={str(out)!r} is in use by another hf-concept train run ({_describe_holder(out)}): "
+            "wait for it to finish, or choose another --output-dir"
+        )
     try:
         try:
             _write_holder(out)

@@ -68,8 +68,8 @@ from transformers import (
 )
 
 from hf_concept.modeling.transformers_compat import checkpointing_arguments
+from hf_concept.progress import progress_disabled
 from hf_concept.training.checkpoints import (
-    SafeCheckpointsMixin,
     checkpoint_problems,
     latest_checkpoint,
     remove_stale_staging,
@@ -80,6 +80,7 @@ from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.options import TrainOptions, trainer_fields
 from hf_concept.training.output import TrainResult, finish
 from hf_concept.training.output_lock import folder_entries, lock_output_dir
+from hf_concept.training.recipe_trainer import RecipeTrainer
 from hf_concept.training.resume import check_resume, check_resume_target, restore_without_training
 from hf_concept.training.run_settings import check_run_settings, current_settings
 from hf_concept.training.trainer import ConceptTrainer
@@ -255,33 +256,6 @@ def apply_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.
         raise TrainSetupError(f"LoRA for model_type={model.config.model_type!r}: {error}") from None
 
 
-class RecipeTrainer(SafeCheckpointsMixin, ConceptTrainer):
-    """`ConceptTrainer` with atomic checkpoints and a stop at divergence (`SafeCheckpointsMixin`) that
-    builds DLCM's μP optimizer when asked (after wrapping, as Trainer's own is)."""
-
-    def __init__(self, *args: Any, mup_learning_rate: float | None = None, mup: bool = False, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.mup = mup
-        self.mup_learning_rate = mup_learning_rate
-
-    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        if not self.mup or self.optimizer is not None:
-            return super().create_optimizer(model)
-        from hf_concept.training.mup import mup_optimizer
-
-        rate = self.mup_learning_rate
-        self.optimizer = mup_optimizer(
-            self.model if model is None else model,
-            token_lr=rate,
-            concept_lr=rate,
-            other_lr=rate,
-            weight_decay=self.args.weight_decay,
-            eps=self.args.adam_epsilon,
-            betas=(self.args.adam_beta1, self.args.adam_beta2),
-        )
-        return self.optimizer
-
-
 def _use_mup(model: PreTrainedModel, mup: bool | None) -> bool:
     has_fields = hasattr(model.config, "mup_token_scale")
     if mup and not has_fields:
@@ -408,6 +382,10 @@ def resolve_block_size(model: PreTrainedModel, block_size: int | None) -> int:
 def training_arguments(folder: Path, options: TrainOptions, has_eval: bool) -> TrainingArguments:
     """`TrainingArguments` for the run: the options marked `trainer=True` by name, plus the ones the
     recipe words itself (learning-rate default, save/eval strategies, activation checkpointing, CPU)."""
+    fields = trainer_fields(options)
+    if fields.get("disable_tqdm") is None and progress_disabled():
+        # Trainer's bar follows the tools' policy: none in a log that is not a terminal.
+        fields["disable_tqdm"] = True
     try:
         return TrainingArguments(
             output_dir=str(folder),
@@ -422,7 +400,7 @@ def training_arguments(folder: Path, options: TrainOptions, has_eval: bool) -> T
             use_cpu=options.use_cpu or _no_accelerator(),
             # Evaluation needs the loss only; collecting logits would cost memory for nothing.
             prediction_loss_only=True,
-            **trainer_fields(options),
+            **fields,
         )
     except ValueError as error:
         raise TrainSetupError(f"training arguments: {error}") from None

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from hf_concept.training.checkpoints import safetensors_header, weight_files
+from hf_concept.safetensors_check import safetensors_header
+from hf_concept.training.checkpoints import weight_files
 from hf_concept.training.errors import TrainSetupError
 
 logger = logging.getLogger("hf_concept.train")

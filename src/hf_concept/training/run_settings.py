@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hf_concept.staging import staged
 from hf_concept.training.errors import TrainSetupError
 
 logger = logging.getLogger("hf_concept.train")
@@ -102,9 +103,8 @@ def current_settings(data: str | Path | Sequence[str | Path], args: Any) -> dict
 def write_run_settings(folder: Path, settings: dict[str, Any]) -> None:
     """`settings` as `folder/run_settings.json`, through a temporary file renamed into place: a reader
     sees the whole record or none."""
-    partial = folder / f".{SETTINGS_NAME}.tmp-{os.getpid()}"
-    partial.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, folder / SETTINGS_NAME)
+    with staged(folder / SETTINGS_NAME, folder / f".{SETTINGS_NAME}.tmp-{os.getpid()}") as partial:
+        partial.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def read_run_settings(checkpoint: Path) -> tuple[dict[str, Any] | None, str]:

@@ -11,8 +11,9 @@ A sweep folder (`--sweep-dir DIR` of a reproduction script) holds:
   `checkpoint_minutes` (and after the last step) by temp file + fsync + rename: a kill at any moment leaves
   the previous checkpoint or the new one, never a torn file. A run resumed from it computes the very same
   steps as one that was never stopped (same thread count: the manifest's settings should name it).
-- `.lock`: held (`flock`) by the process running the sweep, so that a second start on the same folder
-  is refused while the first lives; the kernel drops it when that process ends, however it ends.
+- `.lock`: held (filelock's OS lock, `flock` on Unix) by the process running the sweep, so that a second
+  start on the same folder is refused while the first lives; the kernel drops it when that process ends,
+  however it ends. The file names the holder (pid and host) for the refusal.
 - `results.jsonl`: one JSON line per finished run, appended with one write and fsync; a run listed there is
   never run again. Its checkpoint is removed once the line is on disk.
 
@@ -27,7 +28,6 @@ reusable by any training loop (and tests import it like any other module).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import random
@@ -43,11 +43,14 @@ from typing import Any
 import numpy
 import torch
 
+from hf_concept.locking import try_lock
+from hf_concept.staging import staged
+
 MANIFEST = "manifest.json"
 RESULTS = "results.jsonl"
 CHECKPOINTS = "checkpoints"
 LOCK = ".lock"
-# Sweep folders this process holds the lock of (an open file per folder, kept until the process ends).
+# Sweep folders this process holds the lock of (a lock per folder, kept until the process ends).
 _HELD: dict[Path, Any] = {}
 MANIFEST_FORMAT = 1
 
@@ -80,27 +83,17 @@ class RunSpec:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """`data` at `path`, all or nothing: a temp file beside it, fsynced, renamed over it, folder fsynced."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_folder(path.parent)
+    with staged(path, _temporary(Path(path)), durable=True) as temporary:
+        temporary.write_bytes(data)
 
 
 def atomic_write_json(path: Path, value: Any) -> None:
     atomic_write_bytes(path, (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode())
 
 
-def _fsync_folder(folder: Path) -> None:
-    # The rename is durable only once the folder's entry is on disk.
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+def _temporary(path: Path) -> Path:
+    # Per process: worker processes may write side by side in one sweep folder.
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
 def append_result(folder: Path, record: dict) -> None:
@@ -205,25 +198,19 @@ def check_sweep_folder(folder: Path) -> None:
 
 
 def lock_sweep(folder: Path) -> None:
-    """Hold `DIR/.lock` for the rest of this process (the kernel drops a `flock` when its holder ends, a
-    SIGKILL included): a second process started on the same sweep is refused at once, naming the
+    """Hold `DIR/.lock` for the rest of this process (an OS lock, which the kernel drops when its holder
+    ends, a SIGKILL included): a second process started on the same sweep is refused at once, naming the
     holder, instead of running the same runs twice. Worker processes run under their parent's lock."""
     folder = Path(folder).resolve()
     if folder in _HELD:
         return
-    handle = open(folder / LOCK, "a+", encoding="utf-8")  # noqa: SIM115 (kept open: the lock lives with it)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise SweepError(f"--sweep-dir {folder}: in use by {holder}; see its --status") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    handle.flush()
-    _HELD[folder] = handle
+    path = folder / LOCK
+    lock = try_lock(path)
+    if lock is None:
+        holder = path.read_text(encoding="utf-8").strip() or "another process"
+        raise SweepError(f"--sweep-dir {folder}: in use by {holder}; see its --status")
+    path.write_text(f"pid {os.getpid()} on {socket.gethostname()}", encoding="utf-8")
+    _HELD[folder] = lock
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -270,12 +257,8 @@ def save_checkpoint(
         numpy_rng=numpy.random.get_state(),
     )
     weights.parent.mkdir(parents=True, exist_ok=True)
-    temporary = weights.with_name(f".{weights.name}.tmp-{os.getpid()}")
-    torch.save(state, temporary)
-    with open(temporary, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, weights)
-    _fsync_folder(weights.parent)
+    with staged(weights, _temporary(weights), durable=True) as temporary:
+        torch.save(state, temporary)
     atomic_write_json(sidecar, dict(run=spec.key, step=step, steps=steps, elapsed_seconds=elapsed,
                                     saved_at=time.time()))  # fmt: skip
 

@@ -1,0 +1,90 @@
+"""What the configs of the two concept families, ConceptMoE and DLCM, share: `ConceptConfig`.
+
+Both split a token encoder and decoder around a concept stage, place boundaries with a router (or fixed
+chunks) trained towards a compression ratio, and optionally give the concept stage its own width and
+heads. The fields for that, the outputs `generate` and evaluation leave out, and the checks of those
+fields are written here once; each family's config subclasses `ConceptConfig`, declares its own
+`compression_ratio` default, routers and remaining fields, and orders its checks.
+
+Only the concept families import this module, so only their checkpoints carry it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .configuration_plain import PlainDecoderConfig, _check_number, _is_number
+from .transformers_compat import CACHE_KEYS
+
+CHUNKING_KINDS = ("dynamic", "fixed")
+BOUNDARY_NOISE_KINDS = ("bernoulli", "gaussian", "none")
+RATIO_SCOPES = ("global", "batch", "sequence")
+
+
+class ConceptConfig(PlainDecoderConfig):
+    """Fields and checks of a concept-level config; a family's config sets `auto_model_entry`, the
+    "module.Class" of its `AutoModel` entry in `auto_map`."""
+
+    auto_model_entry: ClassVar[str]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = [
+        *CACHE_KEYS,
+        "lm_loss",
+        "aux_loss",
+        "compression_ratio",
+        "inference_compression_ratio",
+        "sampled_compression_ratio",
+        "boundary_prob_mean",
+        "hidden_states",
+    ]
+
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    chunking: str = "dynamic"
+    router: str = "cosine"
+    boundary_noise: str = "bernoulli"
+    boundary_tau: float = 6.0
+    boundary_sigma: float = 0.1
+    boundary_threshold: float = 0.5
+    concept_hidden_size: int | None = None
+    concept_num_attention_heads: int | None = None
+    concept_num_key_value_heads: int | None = None
+    concept_intermediate_size: int | None = None
+    aux_loss_weight: float = 0.03
+    ratio_scope: str = "global"
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        # The parent merges this with any saved auto_map and keeps the family's AutoModel entry.
+        auto_map = {"AutoModel": self.auto_model_entry}
+        auto_map.update(kwargs.pop("auto_map", None) or {})
+        kwargs["auto_map"] = auto_map
+        super().__post_init__(**kwargs)
+
+    def _check_one_of(self, choices: dict[str, tuple[str, ...]]) -> None:
+        """Raise ValueError naming the first field (in `choices` order) whose value is not allowed."""
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} must be one of {allowed}")
+
+    def _check_compression_ratio(self, dynamic_rule_note: str = "") -> None:
+        """R tokens per concept: an integer in [1, max_position_embeddings] for fixed chunks, a number in
+        (1, max_position_embeddings] for learned ones (`dynamic_rule_note` ends the latter's rule in the
+        error message)."""
+        ratio, limit = self.compression_ratio, self.max_position_embeddings
+        # Beyond max_position_embeddings not even the longest sequence holds one concept. The ratio loss
+        # divides by R - 1, so learned boundaries need R > 1; fixed chunks have no ratio loss, and R = 1
+        # (one concept per token) is well defined there.
+        if self.chunking == "fixed":
+            valid = _is_number(ratio) and 1 <= ratio <= limit and float(ratio).is_integer()
+            rule = f"an integer in [1, max_position_embeddings={limit}] for chunking='fixed'"
+        else:
+            valid = _is_number(ratio) and 1 < ratio <= limit
+            rule = f"a finite number in (1, max_position_embeddings={limit}]{dynamic_rule_note}"
+        if not valid:
+            raise ValueError(f"compression_ratio={ratio!r} must be {rule} (tokens per concept)")
+
+    def _check_boundary_scales(self) -> None:
+        # τ sharpens p to p^(1/τ) and σ scales Gaussian noise: any finite positive value is meaningful.
+        _check_number("boundary_tau", self.boundary_tau, 0, brackets="(]")
+        _check_number("boundary_sigma", self.boundary_sigma)
+        _check_number("aux_loss_weight", self.aux_loss_weight)
