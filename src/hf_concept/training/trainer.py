@@ -57,9 +57,12 @@ METRIC_FIELDS = (
     # LSLM: the rate training samples at (mean q) and the rate its inference rule gives on those bytes.
     "expected_boundary_rate",
     "inference_boundary_rate",
+    # Distillation from the source (`training.distillation`): the KL term and the hidden alignment.
+    "distill_loss",
+    "align_loss",
 )
 # Fields that are micro-batch shares of the step's value when Trainer passes num_items_in_batch.
-SHARE_FIELDS = ("lm_loss", "aux_loss")
+SHARE_FIELDS = ("lm_loss", "aux_loss", "distill_loss", "align_loss")
 # Tokens per concept: over several micro-batches, all their tokens over all their concepts (a mean of the
 # micro-batches' ratios would weigh a short micro-batch like a long one and lean towards the larger ratios).
 RATIO_FIELDS = ("compression_ratio", "inference_compression_ratio", "sampled_compression_ratio")

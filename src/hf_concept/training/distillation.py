@@ -1,0 +1,127 @@
+"""Distillation from a source model: the source (the teacher) teaches the model converted from it.
+
+A converted checkpoint that compresses (ConceptMoE at R > 1, Hidden Decoding in a lossy layout) starts
+away from its source; the LM loss gives one label per position to bring it back, the source's full
+next-token distribution gives a whole distribution. `DistillationTrainer` adds to the student's own loss
+(its LM loss and its family's terms, e.g. the ratio loss):
+
+- `distillation_kl`: T² · KL(teacher ‖ student) of the temperature-T distributions at every label
+  position, summed and divided by the step's label count (a share, as the LM loss is);
+- `hidden_alignment` (weight `align_hidden`, off by default): 1 − cosine similarity of the student's and
+  the teacher's last token states (the last layer maps onto the last layer in every conversion), at the
+  same positions and with the same normalisation.
+
+The teacher runs in eval mode without gradients, on the student's device; it is never saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hf_concept.training.recipe_trainer import RecipeTrainer
+
+IGNORE_INDEX = -100
+
+
+def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 values in float32 (softmax and cosine over a vocabulary need it); float64 stays."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) labels aligned with the inputs -> (B, L) bool: the positions whose logits predict a label
+    (position t predicts labels[t + 1]; the last position predicts nothing)."""
+    following = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return following != IGNORE_INDEX
+
+
+def distillation_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float = 1.0,
+    normalizer: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """T² · Σ_positions KL(softmax(teacher / T) ‖ softmax(student / T)) / normalizer.
+
+    Forward value: with p = softmax(teacher / T) and q = softmax(student / T) over the vocabulary, the sum
+    over the `positions` (B, L) bool of Σ_v p_v (log p_v − log q_v), times T², divided by `normalizer`
+    (default: the number of positions; under gradient accumulation the step's label count, so that the
+    micro-batches' values add up to the step's mean). Backward rule: the exact gradient with respect to
+    the student's logits, T · (q − p) / normalizer at each position (the T² keeps its scale independent
+    of T); the teacher's logits are detached and receive none. Computed in float32 at least.
+    """
+    student = _at_least_float32(student_logits[positions]) / temperature  # (N, V)
+    teacher = _at_least_float32(teacher_logits[positions].detach()) / temperature
+    log_q, log_p = F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1)
+    total = (log_p.exp() * (log_p - log_q)).sum() * temperature**2
+    count = positions.sum().clamp(min=1) if normalizer is None else normalizer
+    return total / count
+
+
+def hidden_alignment(
+    student_states: torch.Tensor,
+    teacher_states: torch.Tensor,
+    positions: torch.Tensor,
+    normalizer: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Σ_positions (1 − cos(student_t, teacher_t)) / normalizer over (B, L, D) token states.
+
+    Forward value: one minus the cosine similarity of the two states at each of the `positions`, summed
+    and divided by `normalizer` (default: the number of positions). Scale-free, so that a source whose
+    last states have large norms does not outweigh the KL term. Backward rule: the exact gradient with
+    respect to the student's states; the teacher's are detached and receive none.
+    """
+    student = _at_least_float32(student_states[positions])
+    teacher = _at_least_float32(teacher_states[positions].detach())
+    total = (1.0 - F.cosine_similarity(student, teacher, dim=-1)).sum()
+    count = positions.sum().clamp(min=1) if normalizer is None else normalizer
+    return total / count
+
+
+class DistillationTrainer(RecipeTrainer):
+    """`RecipeTrainer` whose loss adds the teacher's terms (module docstring) to the student's own, each
+    logged on its own (`distill_loss`, `align_loss`; `eval_`-prefixed in evaluation)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        teacher_model: torch.nn.Module,
+        distill_temperature: float = 1.0,
+        align_hidden: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.teacher_model = teacher_model.eval().requires_grad_(False)
+        self.teacher_model.to(self.args.device)
+        self.distill_temperature = distill_temperature
+        self.align_hidden = align_hidden
+
+    def model_loss(self, model, inputs, num_items_in_batch=None) -> tuple[torch.Tensor, Any]:
+        aligning = self.align_hidden > 0
+        student_inputs = {**inputs, "output_hidden_states": True} if aligning else inputs
+        loss, outputs = super().model_loss(model, student_inputs, num_items_in_batch)
+        teacher = self.teacher_outputs(inputs, aligning)
+        positions = label_positions(inputs["labels"])
+        normalizer = None
+        if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+            normalizer = num_items_in_batch
+        kl = distillation_kl(outputs.logits, teacher.logits, positions, self.distill_temperature, normalizer)
+        loss = loss + kl
+        outputs["distill_loss"] = kl.detach()
+        if aligning:
+            student_states, teacher_states = outputs.hidden_states[-1], teacher.hidden_states[-1]
+            aligned = hidden_alignment(student_states, teacher_states, positions, normalizer)
+            loss = loss + self.align_hidden * aligned
+            outputs["align_loss"] = aligned.detach()
+        return loss, outputs
+
+    @torch.no_grad()
+    def teacher_outputs(self, inputs: dict[str, Any], hidden_states: bool) -> Any:
+        """The teacher's outputs on the student's batch (no labels: its own loss is not needed)."""
+        names = ("input_ids", "attention_mask", "position_ids")
+        batch = {name: inputs[name] for name in names if inputs.get(name) is not None}
+        return self.teacher_model(**batch, output_hidden_states=hidden_states, use_cache=False)
