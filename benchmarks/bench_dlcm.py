@@ -7,7 +7,7 @@ chunking: token t carries slot t // R (slot 0 is the learned null concept of the
 concept of chunk j - 1, readable once that chunk closed), so token t reads slots 0..t // R, slot n
 weighted by how many positions s <= t carried it. Five forms of that one function, all starting from
 (B, H, L, K) queries, (B, H, M, K) concept keys/values and the (B, L) slot index:
-- replicated: `replication.replicated_concept_attention(..., plain_causal=True)`: gather the concept
+- replicated: `dlcm_replication.replicated_concept_attention(..., plain_causal=True)`: gather the concept
   K/V to token positions (repeat_interleave semantics) and run SDPA's causal kernel (L x L, no mask);
 - counted: the library's L x M form as a fresh model call runs it (`cross_attention_form="counted"`):
   log(count) bias from each slot's run of positions (`run_count_bias`), SDPA with it as float mask;
@@ -21,7 +21,7 @@ All but the last build the bias inside the call (the mapping of tokens to concep
 Before timing, all forms (and the library's decoding form, `concept_attention_counted` over cumulative
 counts) are checked equal: outputs within 1e-5, gradients within 1e-4. Ratios are L x M time /
 replicated time, forward and forward+backward, medians over interleaved rounds; per R, the faster of
-the library's two training forms at each L is printed (the crossover `replication.preferred_form`
+the library's two training forms at each L is printed (the crossover `dlcm_replication.preferred_form`
 encodes for "auto"). The project's target: >= 1.3x at L = 4096, R = 4 (the paper's Table 6:
 1.26-1.73x for its GPU kernels against flex attention).
 
@@ -52,15 +52,15 @@ import torch.nn.functional as F
 
 from hf_concept.modeling.configuration_dlcm import DLCMConfig
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
-from hf_concept.modeling.forward_only_cache import cache_num_bytes
-from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
-from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
-from hf_concept.modeling.replication import (
+from hf_concept.modeling.dlcm_replication import (
     concept_attention_biased,
     concept_attention_counted,
     replicated_concept_attention,
     run_count_bias,
 )
+from hf_concept.modeling.forward_only_cache import cache_num_bytes
+from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
+from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
 from hf_concept.modeling.transformers_compat import output_cache
 from hf_concept.tables import format_table
 

@@ -1,4 +1,4 @@
-"""The dechunk EMA: parallel scan (hf_concept.modeling.scan) against the Python loop over concepts.
+"""The dechunk EMA: parallel scan (hf_concept.modeling.concept_scan) against the Python loop over concepts.
 
 Both run in the same process on the same inputs after a warm-up, so the printed ratio (loop time / scan
 time) does not depend on the machine's absolute speed. Each is timed two ways: back-to-back runs of one
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.utils.benchmark as benchmark
 
-from hf_concept.modeling.scan import DEFAULT_BLOCK_SIZE, ema_scan
+from hf_concept.modeling.concept_scan import DEFAULT_BLOCK_SIZE, ema_scan
 from hf_concept.reference.scan import ema_scan_loop
 
 

@@ -60,9 +60,9 @@ from transformers.cache_utils import Cache
 from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig, default_stream_layout
 from hf_concept.modeling.configuration_plain import PlainDecoderConfig
 from hf_concept.modeling.forward_only_cache import cache_num_bytes
+from hf_concept.modeling.hidden_decoding_cache import GROWTH_BLOCK_TOKENS, BlockGrowthLayer
 from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
-from hf_concept.modeling.stream_cache import GROWTH_BLOCK_TOKENS, BlockGrowthLayer
 from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 from hf_concept.tables import format_table
 

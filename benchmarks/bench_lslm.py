@@ -71,8 +71,8 @@ from hf_concept.evaluation import (
     lslm_config_for,
 )
 from hf_concept.modeling.configuration_lslm import LSLMConfig
+from hf_concept.modeling.lslm_segment_cache import SegmentCache
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
-from hf_concept.modeling.segment_cache import SegmentCache
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, PAD_ID, SEQUENCE_START_ID
 from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 from hf_concept.tables import format_table

@@ -20,7 +20,7 @@ per second so that a run cut short keeps the most useful ones:
    each context: varlen against sdpa with the block-diagonal mask, forward and forward + backward.
 3. dlcm-forms: DLCM's cross-attention alone, replicated on the varlen kernel, replicated on masked sdpa
    and counted, with and without backward, at each context and R in 2, 4, 8: the rows of
-   `replication.CUDA_MEASURED_FORMS` ("auto" on CUDA) come from this table.
+   `dlcm_replication.CUDA_MEASURED_FORMS` ("auto" on CUDA) come from this table.
 4. training: one step (forward + backward of the LM loss) of a packed row of L tokens (documents of
    random lengths) per family, under sdpa (masks) and hf_concept_varlen; time and peak memory.
 5. inference: per family and its baseline, prefill (`logits_to_keep=1`) and `--decode-steps` cached
@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_concept.modeling import replication
+from hf_concept.modeling import dlcm_replication
 from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 from hf_concept.modeling.configuration_dlcm import DLCMConfig
 from hf_concept.modeling.configuration_hidden_decoding import HiddenDecodingConfig
@@ -575,7 +575,7 @@ def _form_runs(
     mask = torch.ones(1, length, dtype=torch.bool, device=device)
     starts = torch.zeros_like(mask)
     starts[:, 0] = True
-    counts = replication.concept_counts(index, mask, starts, num_slots)
+    counts = dlcm_replication.concept_counts(index, mask, starts, num_slots)
     kernel = kernel_for(query)
 
     def wrap(function: Callable[..., torch.Tensor]) -> Callable[[], None]:
@@ -591,16 +591,16 @@ def _form_runs(
 
     return {
         "replicated varlen": wrap(
-            lambda q, k, v: replication.replicated_concept_attention_varlen(
+            lambda q, k, v: dlcm_replication.replicated_concept_attention_varlen(
                 q, k, v, index, mask, starts, varlen_kernel=kernel
             )
         ),
         "replicated sdpa": wrap(
-            lambda q, k, v: replication.replicated_concept_attention(
+            lambda q, k, v: dlcm_replication.replicated_concept_attention(
                 q, k, v, index, mask, starts, plain_causal=True
             )
         ),
-        "counted": wrap(lambda q, k, v: replication.concept_attention_counted(q, k, v, counts)),
+        "counted": wrap(lambda q, k, v: dlcm_replication.concept_attention_counted(q, k, v, counts)),
     }
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from hf_concept.modeling.family_cache import FamilyCache
-from hf_concept.modeling.stream_cache import RollbackWindowLayer
+from hf_concept.modeling.hidden_decoding_cache import RollbackWindowLayer
 from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 from tests.conformance.families import FAMILIES, FamilySpec
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from hf_concept.modeling.concept_smoothing import probability_smoothing
 from hf_concept.modeling.configuration_dlcm import DLCMConfig
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
-from hf_concept.modeling.smoothing import probability_smoothing
 from hf_concept.reference.smoothing import probability_smoothing_reference
 
 from .test_dlcm_model import BACKBONE, dlcm, ids

@@ -11,8 +11,8 @@ from torch.testing import assert_close
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_concept.modeling.stream_cache import BlockGrowthLayer
-from hf_concept.modeling.stream_layers import StreamAttention, grouped_sdpa_attention
+from hf_concept.modeling.hidden_decoding_cache import BlockGrowthLayer
+from hf_concept.modeling.hidden_decoding_layers import StreamAttention, grouped_sdpa_attention
 from hf_concept.reference.hidden_decoding import reference_logits
 from tests.test_concept_cache import left_pad, prepared
 from tests.test_hidden_decoding_model import hd_model, ids

@@ -11,16 +11,16 @@ import torch
 
 from hf_concept.evaluation import bits_per_byte
 from hf_concept.modeling.configuration_lslm import LSLMConfig
-from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
-from hf_concept.modeling.pooling import chunk_index, pool_concepts
-from hf_concept.modeling.routing import bernoulli_kl_from_logits
-from hf_concept.modeling.segment_estimators import (
+from hf_concept.modeling.lslm_estimators import (
     beta_binomial_prior_nll,
     beta_parameters,
     straight_through_ends,
     straight_through_pool_weights,
     straight_through_target_losses,
 )
+from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
+from hf_concept.modeling.pooling import chunk_index, pool_concepts
+from hf_concept.modeling.routing import bernoulli_kl_from_logits
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, ByteTokenizer
 from hf_concept.reference.routing import (
     beta_binomial_reference,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_concept.modeling.segment_cache import SegmentCache
+from hf_concept.modeling.lslm_segment_cache import SegmentCache
 from hf_concept.modeling.transformers_compat import output_cache
 from hf_concept.reference.lslm import reference_logits
 from tests.test_lslm_model import encode, lslm

@@ -21,8 +21,8 @@ from transformers import Trainer
 from transformers.modeling_outputs import BaseModelOutput
 
 from hf_concept.modeling import modeling_lslm
+from hf_concept.modeling.lslm_segment_cache import SegmentCache
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM, LSLMModel, label_targets
-from hf_concept.modeling.segment_cache import SegmentCache
 from hf_concept.modeling.tokenization_lslm import ByteTokenizer
 from hf_concept.training.trainer import ConceptTrainer
 from tests.test_lslm_generation import random_row

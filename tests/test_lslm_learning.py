@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_concept.modeling import modeling_lslm
-from hf_concept.modeling.boundary_rules import crosses, rate_matched_ends, rate_units
 from hf_concept.modeling.configuration_lslm import LSLMConfig
+from hf_concept.modeling.lslm_boundary_rules import crosses, rate_matched_ends, rate_units
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.routing import bernoulli_kl_from_logits, binomial_prior_nll, decision_confidence
 from hf_concept.modeling.tokenization_lslm import ByteTokenizer

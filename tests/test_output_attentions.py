@@ -16,9 +16,9 @@ from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
+from hf_concept.modeling.dlcm_replication import _expand_heads
 from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
 from hf_concept.modeling.modeling_plain import PlainDecoderForCausalLM
-from hf_concept.modeling.replication import _expand_heads
 from tests.conformance.families import FAMILIES, FamilySpec
 
 PAD = 0

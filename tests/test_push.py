@@ -110,7 +110,7 @@ def test_conceptmoe_push_creates_the_repo_and_uploads_every_needed_file(tmp_path
     code = needed_code(folder)
     # What save_pretrained copied for ConceptMoE: the auto_map modules and their sibling imports.
     assert code >= {"modeling_conceptmoe.py", "configuration_conceptmoe.py", "configuration_plain.py"}
-    assert code >= {"layers.py", "concept_cache.py", "chunking.py", "routing.py", "modeling_plain.py"}
+    assert code >= {"layers.py", "concept_cache.py", "concept_chunking.py", "routing.py", "modeling_plain.py"}
     assert code == {path.name for path in folder.glob("*.py")}
     expected = {"config.json", "generation_config.json", "model.safetensors", "README.md"}
     expected |= {"tokenizer.json", "tokenizer_config.json"} | code
@@ -142,7 +142,7 @@ def test_converted_hidden_decoding_push_to_a_new_branch_rewrites_the_card(tmp_pa
     upload = api.calls[2][1]
     assert (upload["repo_id"], upload["revision"], upload["token"]) == ("me/tiny-hd", "v1", "hf_test")
     assert set(api.uploaded) == {path.name for path in folder.iterdir()}
-    assert needed_code(folder) <= set(api.uploaded) and "stream_cache.py" in api.uploaded
+    assert needed_code(folder) <= set(api.uploaded) and "hidden_decoding_cache.py" in api.uploaded
     # The converter's card named the local folder; the pushed card names the repo and keeps the facts.
     card_path = folder / "README.md"
     assert messages == [f"rewrote the model card at {card_path} (its load snippet names 'me/tiny-hd')"]

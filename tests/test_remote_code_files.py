@@ -19,7 +19,7 @@ from tests.test_convert_conceptmoe import CONVERT_EXACT, tiny_llama_folder
 
 SPECS = {spec.name: spec for spec in FAMILIES}
 # The concept families' machinery (ConceptMoE's and DLCM's chunking, concept cache and concept stack).
-CONCEPT_MACHINERY = ("chunking.py", "concept_cache.py", "concept_stack.py")
+CONCEPT_MACHINERY = ("concept_chunking.py", "concept_cache.py", "concept_stack.py")
 
 
 def python_files(folder: Path) -> set[str]:

@@ -1,11 +1,10 @@
-"""DLCM concept replication (hf_concept.modeling.replication): replicated SDPA = counted form = reference."""
+"""DLCM concept replication (hf_concept.modeling.dlcm_replication): replicated SDPA = counted form =
+reference."""
 
 import pytest
 import torch
 
-from hf_concept.modeling.packing import document_starts
-from hf_concept.modeling.pooling import readable_concept_index
-from hf_concept.modeling.replication import (
+from hf_concept.modeling.dlcm_replication import (
     _expand_heads,
     concept_attention_counted,
     concept_counts,
@@ -18,6 +17,8 @@ from hf_concept.modeling.replication import (
     run_count_bias,
     update_concept_counts,
 )
+from hf_concept.modeling.packing import document_starts
+from hf_concept.modeling.pooling import readable_concept_index
 from hf_concept.reference.replication import concept_attention_loop
 from tests.layouts import make_layout
 
@@ -195,7 +196,7 @@ def test_bad_inputs_raise_value_errors():
 def test_varlen_form_equals_the_reference_on_padded_packed_rows():
     """The varlen packing (one sequence per document, pads dropped) with `varlen_reference` for torch's
     kernel gives the loop reference's outputs and gradients; only the CUDA kernel itself is not run here."""
-    from hf_concept.modeling.replication import replicated_concept_attention_varlen
+    from hf_concept.modeling.dlcm_replication import replicated_concept_attention_varlen
     from hf_concept.modeling.varlen import varlen_reference as sdpa_varlen
 
     case = make_case(ROWS, num_heads=4, kv_heads=2, head_dim=8, seed=5)

@@ -105,7 +105,7 @@ def test_an_old_remote_code_folder_loads_with_the_new_code(family, old_folders, 
     CLASSES[family](CLASSES[family].config_class.from_pretrained(folder)).save_pretrained(fresh)
     for code in fresh.glob("*.py"):
         shutil.copy(code, folder / code.name)
-    assert "boundary_query" in (folder / "chunking.py").read_text()
+    assert "boundary_query" in (folder / "concept_chunking.py").read_text()
     assert json.loads((folder / "config.json").read_text())["auto_map"]
     model, info = AutoModelForCausalLM.from_pretrained(
         folder, trust_remote_code=True, output_loading_info=True

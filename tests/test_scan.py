@@ -1,9 +1,9 @@
-"""The dechunk EMA scan (hf_concept.modeling.scan) against the plain loop over concepts."""
+"""The dechunk EMA scan (hf_concept.modeling.concept_scan) against the plain loop over concepts."""
 
 import pytest
 import torch
 
-from hf_concept.modeling.scan import ema_scan, ema_step, linear_recurrence
+from hf_concept.modeling.concept_scan import ema_scan, ema_step, linear_recurrence
 from hf_concept.reference.scan import ema_scan_loop
 
 

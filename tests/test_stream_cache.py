@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 from transformers import DynamicCache, StaticCache
 
-from hf_concept.modeling.stream_cache import StreamCache
+from hf_concept.modeling.hidden_decoding_cache import StreamCache
 from tests.test_concept_cache import _word_tokenizer, left_pad, prepared
 from tests.test_hidden_decoding_model import BACKBONE, hd_model, ids
 

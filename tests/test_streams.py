@@ -1,10 +1,10 @@
-"""Hidden Decoding's stream layout (hf_concept.modeling.streams) against loops, with pads and packing."""
+"""Hidden Decoding's stream layout (hf_concept.modeling.hidden_decoding_streams) against loops, with pads
+and packing."""
 
 import pytest
 import torch
 
-from hf_concept.modeling.packing import document_ids, document_starts
-from hf_concept.modeling.streams import (
+from hf_concept.modeling.hidden_decoding_streams import (
     deinterleave_streams,
     expand_attention_mask,
     expand_position_ids,
@@ -14,6 +14,7 @@ from hf_concept.modeling.streams import (
     stream_index,
     token_index,
 )
+from hf_concept.modeling.packing import document_ids, document_starts
 from hf_concept.reference.streams import (
     deinterleave_streams_loop,
     expand_per_token_loop,

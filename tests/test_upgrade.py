@@ -135,8 +135,14 @@ def test_dry_run_names_the_changes_and_writes_nothing(saved, tmp_path, capsys):
 def test_an_upgrade_removes_the_files_the_current_code_no_longer_imports(saved, tmp_path, capsys):
     reference = greedy_tokens(saved, tmp_path / "reference")
     older = legacy_copies(saved, tmp_path / "older", commit=WIDER_CLOSURE_COMMIT)
-    dropped = {"lslm": "chunking.py, concept_cache.py, concept_stack.py, modeling_plain.py"}
-    dropped["hidden-decoding"] = "modeling_plain.py"
+    # The older closures, and the modules renamed since to name the family that owns them.
+    dropped = {
+        "lslm": "boundary_rules.py, chunking.py, concept_cache.py, concept_stack.py, modeling_plain.py, "
+        "segment_cache.py, segment_estimators.py",
+        "hidden-decoding": "modeling_plain.py, stream_cache.py, stream_layers.py, streams.py",
+        "conceptmoe-first": "chunking.py, scan.py, smoothing.py",
+        "dlcm": "chunking.py, replication.py, scan.py, smoothing.py",
+    }
     for name, files in dropped.items():
         assert set(files.split(", ")) <= {path.name for path in Path(older[name]).glob("*.py")}, name
     assert greedy_tokens(older, tmp_path / "before") == reference

@@ -20,11 +20,11 @@ _LAZY_EXPORTS = {
     "HiddenDecodingConfig": "hf_concept.modeling.configuration_hidden_decoding",
     "HiddenDecodingModel": "hf_concept.modeling.modeling_hidden_decoding",
     "HiddenDecodingForCausalLM": "hf_concept.modeling.modeling_hidden_decoding",
-    "StreamCache": "hf_concept.modeling.stream_cache",
+    "StreamCache": "hf_concept.modeling.hidden_decoding_cache",
     "LSLMConfig": "hf_concept.modeling.configuration_lslm",
     "LSLMModel": "hf_concept.modeling.modeling_lslm",
     "LSLMForCausalLM": "hf_concept.modeling.modeling_lslm",
-    "SegmentCache": "hf_concept.modeling.segment_cache",
+    "SegmentCache": "hf_concept.modeling.lslm_segment_cache",
     "ByteTokenizer": "hf_concept.modeling.tokenization_lslm",
 }
 

@@ -60,17 +60,23 @@ CONCEPT_CODE = (
     *CACHE_CODE,
     *BOUNDARY_CODE,
     "causal_lm.py",
-    "chunking.py",
+    "concept_chunking.py",
     "concept_cache.py",
     "concept_config.py",
     "concept_stack.py",
     "concept_views.py",
     "modeling_plain.py",
-    "scan.py",
-    "smoothing.py",
+    "concept_scan.py",
+    "concept_smoothing.py",
 )
 CONCEPTMOE_CODE = (*CONCEPT_CODE, "configuration_conceptmoe.py", "modeling_conceptmoe.py")
-DLCM_CODE = (*CONCEPT_CODE, "configuration_dlcm.py", "dlcm_stages.py", "modeling_dlcm.py", "replication.py")
+DLCM_CODE = (
+    *CONCEPT_CODE,
+    "configuration_dlcm.py",
+    "dlcm_stages.py",
+    "modeling_dlcm.py",
+    "dlcm_replication.py",
+)
 HIDDEN_DECODING_CODE = (
     *BACKBONE_CODE,
     *CACHE_CODE,
@@ -78,15 +84,15 @@ HIDDEN_DECODING_CODE = (
     "configuration_hidden_decoding.py",
     "hidden_decoding_masks.py",
     "modeling_hidden_decoding.py",
-    "stream_cache.py",
-    "stream_layers.py",
-    "streams.py",
+    "hidden_decoding_cache.py",
+    "hidden_decoding_layers.py",
+    "hidden_decoding_streams.py",
 )
 LSLM_CODE = (
     *BACKBONE_CODE,
     *CACHE_CODE,
     *BOUNDARY_CODE,
-    "boundary_rules.py",
+    "lslm_boundary_rules.py",
     "configuration_lslm.py",
     "lslm_attention_layout.py",
     "lslm_generation.py",
@@ -95,8 +101,8 @@ LSLM_CODE = (
     "lslm_loss.py",
     "lslm_outputs.py",
     "modeling_lslm.py",
-    "segment_cache.py",
-    "segment_estimators.py",
+    "lslm_segment_cache.py",
+    "lslm_estimators.py",
     "tokenization_lslm.py",
 )
 

@@ -25,8 +25,8 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils import logging
 
 from .causal_lm import CausalLMMixin
-from .chunking import fixed_boundaries
 from .concept_cache import ConceptCache, ConceptState
+from .concept_chunking import fixed_boundaries
 from .forward_only_cache import adopt_cache
 from .layers import default_position_ids
 from .loss_terms import LOSS_IN_FORWARD, TRAINERS, warn_loss_terms_dropped

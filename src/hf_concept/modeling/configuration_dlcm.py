@@ -13,7 +13,7 @@ loss is global (`ratio_scope="global"`, the Global Parser: F and G over every to
 step, all ranks and accumulated micro-batches; needs `hf_concept.training.ConceptTrainer`, which keeps the
 step's running counts), per micro-batch (`"batch"`) or per sequence (`"sequence"`, "Normal", Table 4).
 
-Smoothing (§3.5.1, `smoothing.py`): `"ema"` (default) is H-Net's, which DLCM says it follows: z̃_m =
+Smoothing (§3.5.1, `concept_smoothing.py`): `"ema"` (default) is H-Net's, which DLCM says it follows: z̃_m =
 p_m z_m + (1 − p_m) z̃_{m−1} with p_m the opening token's boundary probability, and each token's
 cross-attention output multiplied by the straight-through confidence of its decision (value 1). It is the
 default because it is the only form through which the LM loss reaches the learned router — the gradient
@@ -26,7 +26,7 @@ checkpoints saved before this field existed: a saved config without the field lo
 Cross-attention form of a call with nothing cached before it (training, a first prefill): `"replicated"`
 (concept K/V gathered to token positions, causal attention over L keys: flash-attn's varlen kernel on GPU,
 §4.1), `"counted"` (one K/V per concept with + log(count) scores, over N slots: the L × M form) or
-`"auto"` (default: the form measured faster on the device at that size, `replication.preferred_form`).
+`"auto"` (default: the form measured faster on the device at that size, `dlcm_replication.preferred_form`).
 The two are equal up to rounding; a call that continues a cache always uses the counted form.
 
 Decoupled μP (§6.1), active when `mup_base_width` is set: s_token = hidden_size / base and s_concept =

@@ -9,7 +9,7 @@ segments before it. The segment encoder uses the plain fields (`hidden_size`, `n
 Boundaries (z_t = 1: byte t ends a segment) come from the ffn-gumbel router p̂_t = sum(FFN(h_t)), sampled
 in training as σ(p̂_t + g′ − g″) ≥ 0.5, thresholded at inference. `boundary_estimator` says how the LM
 loss reaches the router: "straight_through" (default, the paper's §2.6: the hard sample passes its
-gradient straight through into dynamic pooling's matrix, `segment_estimators`), "straight_through_targets"
+gradient straight through into dynamic pooling's matrix, `lslm_estimators`), "straight_through_targets"
 (also through the decoder's target at the byte's slot, `<nxt>` or the next byte; on the synthetic word
 language it drives the rate to 0 or 1 unless the prior is strong, see README) or "confidence" (each byte
 and decoder slot scaled by its decision's straight-through confidence, H-Net's multiplier, the form
@@ -34,7 +34,7 @@ the former behaviour (no latest-segment input, "kl", "confidence"), as their wei
 
 Inference decides with `boundary_rule`. Training samples a boundary with probability q_t (σ(p̂ + g′ − g″)
 ≥ ½ is a Bernoulli(q_t) draw), so it closes Σ q_t bytes of a text in expectation. "rate" (default) closes
-byte t when the running sum of q over the document passes a half-integer there (`boundary_rules`): the
+byte t when the running sum of q over the document passes a half-integer there (`lslm_boundary_rules`): the
 same rate as training on every text, deterministic and causal, and the decision of a sure router (q near
 0 or 1) unchanged. "threshold" closes where q_t ≥ `boundary_threshold`, which closes every byte or none
 while the router is unsure (q_t ≈ 0.7 everywhere under the default prior); a threshold at or above

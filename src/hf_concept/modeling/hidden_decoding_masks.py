@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from .stream_cache import TokenUnits
-from .stream_layers import widen_token_mask
-from .streams import expand_attention_mask, expand_position_ids
+from .hidden_decoding_cache import TokenUnits
+from .hidden_decoding_layers import widen_token_mask
+from .hidden_decoding_streams import expand_attention_mask, expand_position_ids
 from .transformers_compat import cache_kwarg
 
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from transformers.generation.streamers import BaseStreamer
 
-from .boundary_rules import crosses, rate_units, running_units
+from .lslm_boundary_rules import crosses, rate_units, running_units
 from .lslm_layout import ByteView, always_closing, document_causal_mask
+from .lslm_segment_cache import SegmentCache
 from .pooling import pool_open_chunk
-from .segment_cache import SegmentCache
 from .transformers_compat import cache_kwarg
 
 

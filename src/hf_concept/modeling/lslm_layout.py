@@ -55,7 +55,7 @@ class Segmentation:
     # What inference would decide on these bytes (`boundary_rule`), for the logged inference rate.
     inferred: torch.Tensor | None = None
     # Training with the straight-through estimator: the ends as 0/1 floats whose gradient reaches the
-    # samples (`segment_estimators.straight_through_ends`); None otherwise.
+    # samples (`lslm_estimators.straight_through_ends`); None otherwise.
     straight_ends: torch.Tensor | None = None
 
 

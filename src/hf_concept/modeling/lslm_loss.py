@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from .configuration_lslm import LSLMConfig
+from .lslm_estimators import beta_binomial_prior_nll, straight_through_target_losses
 from .lslm_layout import ByteView, DecoderSlots, Segmentation
 from .routing import bernoulli_kl_from_logits, binomial_prior_nll
-from .segment_estimators import beta_binomial_prior_nll, straight_through_target_losses
 from .tokenization_lslm import BYTE_OFFSET
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def straight_through_slot_losses(
     slots: DecoderSlots,
 ) -> torch.Tensor:
     """(B, S) slot losses with each free byte's end decision passed straight through its slot's target
-    (`segment_estimators.straight_through_target_losses`): same values, a gradient to the decision from
+    (`lslm_estimators.straight_through_target_losses`): same values, a gradient to the decision from
     the slot's `<nxt>` and next-byte log-probabilities. Bytes whose slot target a label changed, and a
     document's last byte, keep their loss as it is."""
     end_id = config.segment_end_token_id

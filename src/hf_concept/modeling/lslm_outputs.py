@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutput, ModelOutput
 
 from .lslm_layout import ByteView, DecoderSlots, Segmentation
-from .segment_cache import SegmentCache
+from .lslm_segment_cache import SegmentCache
 from .transformers_compat import cache_field
 
 

@@ -8,7 +8,7 @@ Pipeline (ConceptMoE §3, DESIGN §3), per call:
 2. boundaries: cosine or linear router (`chunking="dynamic"`; Bernoulli/Gaussian noise only in
    training; starts forced) or every R-th token of each document (`"fixed"`, p = 1 at openings, 0
    elsewhere, so the ratio loss has nothing to steer and is 0);
-3. the concepts that become readable in this call (`chunking.emit_concepts`): pooled "first", "sum" or
+3. the concepts that become readable in this call (`concept_chunking.emit_concepts`): pooled "first", "sum" or
    "mean", optional `concept_in_proj`, concept `DecoderLayer`s over the concept sequence (RoPE position
    = the opening token's position id; attention causal over concepts of the same document; cached
    concept K/V; `concept_loop` runs layers [start, end) `extra` more times), optional `concept_out_proj`,
@@ -44,14 +44,15 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 
-from .chunking import (
+from .concept_cache import ConceptCache, ConceptState
+from .concept_chunking import (
     Chunker,
     EmittedConcepts,
     IdentityInitLinear,
     LegacyRouterKeysMixin,
     emit_concepts,
 )
-from .concept_cache import ConceptCache, ConceptState
+from .concept_smoothing import probability_smoothing
 from .concept_stack import (
     ConceptCausalLMMixin,
     ConceptModelOutput,
@@ -73,7 +74,6 @@ from .layers import (
 from .packing import last_real_picker
 from .pooling import gather_concepts_to_tokens
 from .routing import straight_through
-from .smoothing import probability_smoothing
 from .transformers_compat import CACHE_KEYS, layer_cache
 
 

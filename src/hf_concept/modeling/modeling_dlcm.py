@@ -13,9 +13,9 @@ Pipeline, per call:
    through the smoothing weights and the straight-through confidence (step 4), with `"linear"` the
    router learns from the ratio loss alone. The rule router's probabilities are detached there (§8.1);
 3. mean pooling with the availability rule (a chunk becomes readable once it has closed,
-   `chunking.emit_concepts`), W_up into d_concept, concept `DecoderLayer`s over the concept sequence
+   `concept_chunking.emit_concepts`), W_up into d_concept, concept `DecoderLayer`s over the concept sequence
    (RoPE at the opening token's position, causal over concepts of a document, cached concept K/V), a
-   final concept norm, then smoothing within a document (`smoothing.py`): "ema" z̃_m = p_m z_m +
+   final concept norm, then smoothing within a document (`concept_smoothing.py`): "ema" z̃_m = p_m z_m +
    (1 − p_m) z̃_{m−1}, or "linear" z̃_m = z_m + W_s z_{m−1} (W_s = 0 at init, so the identity);
 4. decoder layers: token self-attention; cross-attention with Q = RMSNorm(W_Q h) and K, V =
    RMSNorm(W_K z̃), W_V z̃ per concept, with *concept replication* semantics (§4.1): position s carries
@@ -26,9 +26,9 @@ Pipeline, per call:
 5. final norm, LM head (logits × 1/s_token under μP with `mup_output_scaling`).
 
 Two forms of step 4, equal by construction: without a cache (training) the K/V are replicated to token
-positions and SDPA runs causally (`replication.replicated_concept_attention`); with a `ConceptCache` one
+positions and SDPA runs causally (`dlcm_replication.replicated_concept_attention`); with a `ConceptCache` one
 K/V per concept is stored with how many positions carried it, and the scores get + log(count)
-(`replication.concept_attention_counted`) — M entries instead of L. A call with nothing cached before
+(`dlcm_replication.concept_attention_counted`) — M entries instead of L. A call with nothing cached before
 it takes `config.cross_attention_form` ("auto": the form measured faster on the device).
 
 Causality: a token at position t reads only real tokens <= t of its own document; the concept of its
@@ -53,8 +53,9 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .chunking import Chunker, EmittedConcepts, LegacyRouterKeysMixin, emit_concepts
 from .concept_cache import ConceptCache, ConceptState
+from .concept_chunking import Chunker, EmittedConcepts, LegacyRouterKeysMixin, emit_concepts
+from .concept_smoothing import previous_concept_smoothing, probability_smoothing
 from .concept_stack import (
     ConceptCausalLMMixin,
     ConceptModelOutput,
@@ -64,6 +65,17 @@ from .concept_stack import (
 )
 from .concept_views import ConceptPassViews, concept_model_attentions, emission_index, slot_count
 from .configuration_dlcm import DLCMConfig
+from .dlcm_replication import (
+    concept_attention_biased,
+    concept_counts,
+    concept_slot_weights,
+    cross_varlen_kernel,
+    log_count_bias,
+    preferred_form,
+    replicated_concept_attention,
+    replicated_concept_attention_varlen,
+    run_count_bias,
+)
 from .layers import (
     MLP,
     Attention,
@@ -78,19 +90,7 @@ from .layers import (
     residual_body,
 )
 from .packing import last_real_picker
-from .replication import (
-    concept_attention_biased,
-    concept_counts,
-    concept_slot_weights,
-    cross_varlen_kernel,
-    log_count_bias,
-    preferred_form,
-    replicated_concept_attention,
-    replicated_concept_attention_varlen,
-    run_count_bias,
-)
 from .routing import straight_through
-from .smoothing import previous_concept_smoothing, probability_smoothing
 from .transformers_compat import CACHE_KEYS, layer_cache
 
 
@@ -102,7 +102,7 @@ class SmoothingLinear(nn.Linear):
 class ConceptReading:
     """How the tokens of one call read concepts: `index` (B, L) the slot each position carries (-1 for
     pads; 0 the null concept), `mask` / `starts` (B, L), for the counted form the (B, L, N) log(count)
-    `slot_bias` and the (B, L) `sees` (`replication.log_count_bias`, built once for every layer). Only
+    `slot_bias` and the (B, L) `sees` (`dlcm_replication.log_count_bias`, built once for every layer). Only
     tensors outside the autograd graph live here: gradient checkpointing sees the layer's positional
     arguments only."""
 
@@ -117,7 +117,8 @@ class ConceptReading:
 class ConceptCrossAttention(nn.Module):
     """Cross-attention from tokens (d_token) to concepts (d_concept) in a common head dim (eq. 12–14), with
     RMSNorm on queries and keys (§4). While an `AttentionRecorder` is attached it also records the
-    (B, Hx, L, N) weights per concept slot (`replication.concept_slot_weights`), beside the kernel's output.
+    (B, Hx, L, N) weights per concept slot (`dlcm_replication.concept_slot_weights`), beside the kernel's
+    output.
     """
 
     attention_recorder: AttentionRecorder | None = None
@@ -201,7 +202,7 @@ class ConceptCrossAttention(nn.Module):
         self, query: torch.Tensor, concept_keys: torch.Tensor, reading: ConceptReading
     ) -> torch.Tensor:
         """(B, Hx, L, N) weight of each token on each slot; the replicated form's log(count) bias is built
-        here (`replication.run_count_bias`), the counted form brings its own."""
+        here (`dlcm_replication.run_count_bias`), the counted form brings its own."""
         bias, sees = reading.slot_bias, reading.sees
         if bias is None:
             bias_dtype = torch.promote_types(query.dtype, torch.float32)
@@ -498,8 +499,8 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         state: ConceptState,
         new_state: ConceptState,
     ) -> tuple[torch.Tensor, ConceptState]:
-        """(B, C, Dc) smoothed new concepts (`smoothing.py`) continuing the row's cached concept, which is
-        z̃ of its latest concept under "ema" and z (before smoothing) under "linear"."""
+        """(B, C, Dc) smoothed new concepts (`concept_smoothing.py`) continuing the row's cached concept,
+        which is z̃ of its latest concept under "ema" and z (before smoothing) under "linear"."""
         if self.smoothing is None:
             smoothed = probability_smoothing(
                 concept_states,
@@ -578,7 +579,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
 
     def fresh_cross_attention_form(self, mask: torch.Tensor, num_slots: int) -> str:
         """The form of a call with nothing before it (training, a first prefill): the config's, or under
-        "auto" the one measured faster on this device at this size (`replication.preferred_form`)."""
+        "auto" the one measured faster on this device at this size (`dlcm_replication.preferred_form`)."""
         form = self.config.cross_attention_form
         if form != "auto":
             return form

@@ -70,7 +70,15 @@ from transformers.utils import logging
 from .causal_lm import CausalLMMixin, PlainCausalLMOutput, PlainModelOutput
 from .configuration_hidden_decoding import HiddenDecodingConfig
 from .forward_only_cache import adopt_cache
+from .hidden_decoding_cache import StreamCache
+from .hidden_decoding_layers import StreamAttention, StreamDecoderLayer, final_query_mask
 from .hidden_decoding_masks import StreamMasks, stream_masks
+from .hidden_decoding_streams import (
+    deinterleave_streams,
+    expand_position_ids,
+    interleave_streams,
+    token_aligned_weights,
+)
 from .layers import (
     AttentionRecorder,
     RMSNorm,
@@ -83,14 +91,6 @@ from .layers import (
     recording_attentions,
 )
 from .loss_terms import LOSS_IN_FORWARD, warn_loss_terms_dropped
-from .stream_cache import StreamCache
-from .stream_layers import StreamAttention, StreamDecoderLayer, final_query_mask
-from .streams import (
-    deinterleave_streams,
-    expand_position_ids,
-    interleave_streams,
-    token_aligned_weights,
-)
 from .transformers_compat import CACHE_KEYS, cache_field, cache_kwarg, take_cache
 
 logger = logging.get_logger(__name__)
@@ -187,8 +187,9 @@ class HiddenDecodingModelOutput(PlainModelOutput):
     - "intra" layers, (B·S, H, L, T): each stream over its own stream's tokens (shared KV: the final
       stream's keys of earlier tokens and its own key at the current one, `SharedKVAttention`);
     - "full" and "local" layers, (B·S, H·S, L, T): "head" h·S + j holds head h's weights on key stream j
-      (`streams.token_aligned_weights`; the interleaved order, token i's stream k at i·S + k, is what the
-      layer computes); a local layer's keys past its cached window are the ones its cache keeps.
+      (`hidden_decoding_streams.token_aligned_weights`; the interleaved order, token i's stream k at
+      i·S + k, is what the layer computes); a local layer's keys past its cached window are the ones its
+      cache keeps.
     """
 
     stream_states: torch.Tensor | None = None

@@ -15,13 +15,13 @@ Pass, per row (left padding and packed documents allowed):
 1. token encoder over the row's bytes (causal within a document, at Dt);
 2. boundaries z_t (byte t ends a segment): q_t = σ(sum FFN(h_t)); training samples σ(p̂ + g′ − g″) ≥ ½,
    a Bernoulli(q_t) draw; inference decides by `boundary_rule` ("rate": where the document's running
-   sum of q passes a half-integer, `boundary_rules`; "threshold": q_t ≥ `boundary_threshold`);
+   sum of q passes a half-integer, `lslm_boundary_rules`; "threshold": q_t ≥ `boundary_threshold`);
    `<BoS>`, `<eos>`, a byte before a marker and the last byte of a packed document always end a
    segment, pads never do;
 3. segments pooled (`mean` or `hops:N`, the segment's own bytes only), projected to D. In training the
    LM loss reaches the router by `boundary_estimator`: "straight_through" (default, LSLM §2.6) passes
    each hard decision's gradient to its Gumbel-sigmoid sample and on into dynamic pooling's matrix
-   (`segment_estimators`: each byte's weight in its segment is 1 in value, with a gradient to every end
+   (`lslm_estimators`: each byte's weight in its segment is 1 in value, with a gradient to every end
    decision before it); "straight_through_targets" also through the decoder target of the byte's slot;
    "confidence" scales each byte's pooled state and decoder slot by its decision's straight-through
    confidence (`routing.decision_confidence`);
@@ -67,7 +67,6 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 
-from .boundary_rules import rate_matched_ends
 from .configuration_lslm import LSLMConfig
 from .forward_only_cache import adopt_cache
 from .layers import (
@@ -82,6 +81,11 @@ from .layers import (
 )
 from .loss_terms import prior_loss_terms, warn_loss_terms_dropped
 from .lslm_attention_layout import decoder_layouts, segment_layout, token_layout
+from .lslm_boundary_rules import rate_matched_ends
+from .lslm_estimators import (
+    straight_through_ends,
+    straight_through_pool_weights,
+)
 from .lslm_generation import SegmentCacheSteps, SegmentMarkerGeneration, stack_step_attentions
 from .lslm_layers import BoundaryRouter, SegmentDecoderLayer, stage_config
 from .lslm_layout import (
@@ -102,17 +106,13 @@ from .lslm_layout import (
 )
 from .lslm_loss import elbo_fields, label_targets, labels_from_shift_labels
 from .lslm_outputs import LSLMCausalLMOutput, LSLMModelOutput, LSLMPass, at_input_columns
+from .lslm_segment_cache import RaggedStore, SegmentCache
 from .packing import document_starts, token_mask
 from .pooling import chunk_index, pool_concepts, slot_attention_mask
 from .routing import (
     decision_confidence,
     gumbel_sigmoid,
     sample_gumbel_noise,
-)
-from .segment_cache import RaggedStore, SegmentCache
-from .segment_estimators import (
-    straight_through_ends,
-    straight_through_pool_weights,
 )
 from .transformers_compat import CACHE_KEYS, cache_kwarg, take_cache
 
@@ -403,7 +403,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         )
 
     def inference_decisions(self, probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor):
-        """(B, T) bool: the router's closes at inference under `boundary_rule` ("rate": `boundary_rules`,
+        """(B, T) bool: the router's closes at inference under `boundary_rule` ("rate": `lslm_boundary_rules`,
         over the `counted` bytes of each document; "threshold": q_t >= `boundary_threshold`)."""
         if self.config.boundary_rule == "rate":
             return rate_matched_ends(probs, counted, starts)

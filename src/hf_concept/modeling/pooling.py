@@ -142,7 +142,7 @@ def pool_concepts(
         method: "first", "sum", "mean" or "hops:N".
         weights: optional (B, L) weight of each token in its chunk (default 1; "first" takes none):
             sums are weighted and "mean" divides by the chunk's total weight, as dynamic pooling's
-            normalised matrix does (LSLM Figure 3; `segment_estimators.straight_through_pool_weights`
+            normalised matrix does (LSLM Figure 3; `lslm_estimators.straight_through_pool_weights`
             gives weights of value 1 whose gradient reaches the boundary decisions).
 
     Returns:

@@ -1,7 +1,7 @@
 """DLCM concept replication written out: an explicit L x L mask built by loops, einsum scores, softmax.
 
 Legend: B batch, L tokens, N concept slots, H query heads, G key/value heads, K head dim. Same contract as
-`hf_concept.modeling.replication`: position s carries slot index[b, s] (-1: nothing); query t sees the
+`hf_concept.modeling.dlcm_replication`: position s carries slot index[b, s] (-1: nothing); query t sees the
 positions s <= t of its own document that are real and carry a concept; a query that sees nothing gets 0.
 """
 

@@ -1,6 +1,6 @@
 """The dechunk EMA as a plain Python loop over concepts (the form of ConceptMoE's appendix B).
 
-Legend: B batch, C concepts, D width. Same contract as `hf_concept.modeling.scan.ema_scan`.
+Legend: B batch, C concepts, D width. Same contract as `hf_concept.modeling.concept_scan.ema_scan`.
 """
 
 from __future__ import annotations

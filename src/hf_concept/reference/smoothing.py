@@ -1,7 +1,7 @@
 """DLCM's probability smoothing as a plain loop over concepts (H-Net's EMA written one step at a time).
 
 Legend: B batch, C concepts, Dc concept width. Same contract as
-`hf_concept.modeling.smoothing.probability_smoothing`.
+`hf_concept.modeling.concept_smoothing.probability_smoothing`.
 """
 
 from __future__ import annotations

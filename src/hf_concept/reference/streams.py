@@ -1,6 +1,6 @@
 """Hidden Decoding's stream layout written out with loops (token i's stream k at position i·S + k).
 
-Legend: B batch, L tokens, S streams, D width. Same contract as `hf_concept.modeling.streams`.
+Legend: B batch, L tokens, S streams, D width. Same contract as `hf_concept.modeling.hidden_decoding_streams`.
 """
 
 from __future__ import annotations

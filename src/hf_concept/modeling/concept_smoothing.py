@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .scan import ema_scan
+from .concept_scan import ema_scan
 
 
 def probability_smoothing(
