@@ -5,13 +5,17 @@ source falls under `DistillationTrainer`."""
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch.testing import assert_close
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+from hf_concept import cli
 from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.training.data import data_collator
@@ -23,6 +27,7 @@ from hf_concept.training.distillation import (
 )
 from hf_concept.training.recipe_trainer import RecipeTrainer
 from tests.test_convert_conceptmoe import TINY_LLAMA
+from tests.test_train_command import make_workspace
 
 
 def logits_pair(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,3 +163,114 @@ def test_distilling_brings_the_conversion_closer_to_its_source_and_never_touches
     assert all(not parameter.requires_grad and parameter.grad is None for parameter in teacher.parameters())
     for name, tensor in teacher.state_dict().items():
         assert torch.equal(tensor, before[name]), name
+
+
+# The command: hf-concept train CONVERTED --distill-from SOURCE.
+
+
+@pytest.fixture(scope="module")
+def distill_workspace(tmp_path_factory) -> Path:
+    """The train tests' word tokenizer and text, a tiny Llama source saved with that tokenizer, and its
+    ConceptMoE conversion (which copies the tokenizer)."""
+    root = make_workspace(tmp_path_factory.mktemp("distill"))
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": 97})).save_pretrained(root / "source")
+    tokenizer.save_pretrained(root / "source")
+    convert_to_conceptmoe(root / "source", root / "converted", encoder_layers=1, decoder_layers=1)
+    return root
+
+
+def run_train(*argv: object) -> int:
+    return cli.main(["train", *map(str, argv)])
+
+
+def test_the_command_distills_and_saves_the_student_only(distill_workspace, tmp_path, capsys):
+    root, out = distill_workspace, tmp_path / "out"
+    argv = [root / "converted", "--data", root / "corpus.txt", "--output-dir", out, "--max-steps", "2"]
+    teaching = ["--distill-from", root / "source", "--distill-temperature", "2", "--align-hidden", "0.5"]
+    assert run_train(*argv, *teaching, "--logging-steps", "1", "--save-steps", "2", "--block-size", "32") == 0
+    history = json.loads((out / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())[
+        "log_history"
+    ]
+    logged = [entry for entry in history if "distill_loss" in entry]
+    assert len(logged) == 2 and all(entry["distill_loss"] > 0 and "align_loss" in entry for entry in logged)
+    # The student alone is saved: the converted model's parameters, no teacher tensor.
+    student_keys = set(ConceptMoEForCausalLM.from_pretrained(root / "converted").state_dict())
+    with safe_open(out / "model.safetensors", "pt") as saved:
+        assert set(saved.keys()) <= student_keys
+    settings = json.loads((out / "checkpoints" / "checkpoint-2" / "run_settings.json").read_text())
+    assert settings["distill_from"] == str(root / "source")
+    # Resuming the distilled run without its teacher is refused, naming the flag; nothing changes.
+    capsys.readouterr()
+    listing = sorted(str(path) for path in out.rglob("*"))
+    assert run_train(*argv[:-1], "4", "--resume", "--save-steps", "2", "--block-size", "32") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "resume it with --distill-from SOURCE" in errors[0], errors
+    assert sorted(str(path) for path in out.rglob("*")) == listing
+    # With its teacher it resumes (the checkpoint's config holds the pad id Trainer set from the tokenizer).
+    assert run_train(*argv[:-1], "4", *teaching, "--resume", "--save-steps", "2", "--block-size", "32") == 0
+    assert (out / "checkpoints" / "checkpoint-4").is_dir()
+
+
+def other_source(root: Path, folder: Path, vocab_size: int = 97, words: tuple[str, ...] = ()) -> Path:
+    """A source like the workspace's, with another vocabulary size or a tokenizer with other words."""
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": vocab_size})).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    if words:
+        tokenizer.add_tokens(list(words))
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("vocabulary", "its vocabulary has 101 ids and the model's 97"),
+        ("tokenizer", "its tokenizer differs from the model's"),
+        ("no source", "--distill-temperature and --align-hidden go with --distill-from SOURCE"),
+        ("temperature", "--distill-temperature 0.0 must be a positive number"),
+    ],
+)
+def test_a_source_that_cannot_teach_is_refused_in_one_line(distill_workspace, tmp_path, capsys, case, named):
+    root, out = distill_workspace, tmp_path / "out"
+    argv = [root / "converted", "--data", root / "corpus.txt", "--output-dir", out, "--max-steps", "1"]
+    extra = {
+        "vocabulary": lambda: ["--distill-from", other_source(root, tmp_path / "src", vocab_size=101)],
+        "tokenizer": lambda: ["--distill-from", other_source(root, tmp_path / "src", words=("zebra",))],
+        "no source": lambda: ["--align-hidden", "0.5"],
+        "temperature": lambda: ["--distill-from", root / "source", "--distill-temperature", "0"],
+    }[case]()
+    capsys.readouterr()
+    assert run_train(*argv, *extra) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and named in errors[0], errors
+    assert not out.exists()
+
+
+def test_distillation_runs_with_lora_the_held_ratio_and_accumulation(distill_workspace, tmp_path):
+    root, out = distill_workspace, tmp_path / "out"
+    argv = [root / "converted", "--data", root / "corpus.txt", "--output-dir", out, "--max-steps", "2"]
+    options = [
+        "--lora",
+        "--hold-ratio",
+        "--gradient-accumulation-steps",
+        "2",
+        "--per-device-train-batch-size",
+        "2",
+    ]
+    teaching = [
+        "--distill-from",
+        root / "source",
+        "--logging-steps",
+        "1",
+        "--save-steps",
+        "2",
+        "--block-size",
+        "32",
+    ]
+    assert run_train(*argv, *options, *teaching) == 0
+    state = json.loads((out / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    logged = [entry for entry in state["log_history"] if "distill_loss" in entry]
+    assert len(logged) == 2 and all(entry["distill_loss"] > 0 for entry in logged)

@@ -16,11 +16,13 @@ The teacher runs in eval mode without gradients, on the student's device; it is 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.recipe_trainer import RecipeTrainer
 
 IGNORE_INDEX = -100
@@ -80,6 +82,52 @@ def hidden_alignment(
     total = (1.0 - F.cosine_similarity(student, teacher, dim=-1)).sum()
     count = positions.sum().clamp(min=1) if normalizer is None else normalizer
     return total / count
+
+
+def check_distillation_options(source: Any, temperature: float, align_hidden: float) -> None:
+    """Refuse a temperature or weight that cannot work, and the distillation options without a source."""
+    if source is None and (temperature != 1.0 or align_hidden != 0.0):
+        raise TrainSetupError("--distill-temperature and --align-hidden go with --distill-from SOURCE")
+    if not temperature > 0 or temperature != temperature:
+        raise TrainSetupError(f"--distill-temperature {temperature} must be a positive number")
+    if not align_hidden >= 0:
+        raise TrainSetupError(f"--align-hidden {align_hidden} must be 0 (off) or a positive weight")
+
+
+def _vocabulary(tokenizer: Any) -> dict[str, int] | None:
+    return tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+
+
+def load_teacher(source: str | Path, student: torch.nn.Module, tokenizer: Any) -> torch.nn.Module:
+    """The source model at `source`, in the student's dtype, for `DistillationTrainer`; refused in one line
+    when it cannot be read or when its vocabulary or tokenizer differs from the student's (the KL term
+    compares distributions over the same token ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        teacher = AutoModelForCausalLM.from_pretrained(source, dtype=student.dtype)
+    except (OSError, ValueError) as error:
+        raise TrainSetupError(
+            f"--distill-from {source}: not a model folder transformers can load ({error})"
+        ) from None
+    sizes = (teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
+    if sizes[0] != sizes[1]:
+        raise TrainSetupError(
+            f"--distill-from {source}: its vocabulary has {sizes[0]} ids and the model's {sizes[1]}: distill "
+            "from the source the model was converted from"
+        )
+    try:
+        theirs = _vocabulary(AutoTokenizer.from_pretrained(source))
+    except (OSError, ValueError):
+        theirs = None  # a source folder without tokenizer files: the sizes above are all there is to compare
+    ours = _vocabulary(tokenizer)
+    if theirs is not None and ours is not None and theirs != ours:
+        differing = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda item: item[1])[:3]
+        raise TrainSetupError(
+            f"--distill-from {source}: its tokenizer differs from the model's (e.g. {differing}): distill "
+            "from the source the model was converted from, with the same tokenizer"
+        )
+    return teacher
 
 
 class DistillationTrainer(RecipeTrainer):

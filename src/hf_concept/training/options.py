@@ -157,6 +157,27 @@ class TrainOptions:
         group="model",
     )
     base_model: str | None = option(None, "Name of the starting model in the model card.", group="model")
+    distill_from: Any = option(
+        None,
+        "The source model (a folder) that teaches the converted one: its next-token distribution is "
+        "added to the loss as KL(source || model) at every label position (training.distillation). Its "
+        "tokenizer must be the model's.",
+        group="model",
+        cli={"type": Path, "metavar": "SOURCE"},
+    )
+    distill_temperature: float = option(
+        1.0,
+        "Temperature of both distributions in the --distill-from KL term.",
+        group="model",
+        cli={"type": float},
+    )
+    align_hidden: float = option(
+        0.0,
+        "With --distill-from: weight of the alignment of the last token states with the source's "
+        "(1 - cosine); 0 leaves it out.",
+        group="model",
+        cli={"type": float},
+    )
     overwrite_output_dir: bool = option(
         False, "Start again from step 0 in a non-empty --output-dir (its earlier checkpoints are removed)."
     )

@@ -66,6 +66,7 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+from transformers.trainer_utils import align_special_tokens
 
 from hf_concept.modeling.transformers_compat import checkpointing_arguments
 from hf_concept.progress import progress_disabled
@@ -76,6 +77,7 @@ from hf_concept.training.checkpoints import (
 )
 from hf_concept.training.data import data_collator, read_documents  # noqa: F401 (read_documents: API)
 from hf_concept.training.datasets_io import prepare_datasets
+from hf_concept.training.distillation import DistillationTrainer, check_distillation_options, load_teacher
 from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.options import TrainOptions, trainer_fields
 from hf_concept.training.output import TrainResult, finish
@@ -438,7 +440,7 @@ def train_with(
         at_target = checkpoint is not None and check_resume_target(checkpoint, options.max_steps)
         setup = prepare_run(model_or_path, options, checkpoint)
         args = training_arguments(out / CHECKPOINTS_NAME, options, has_eval=setup.eval_set is not None)
-        settings = current_settings(options.data, args)
+        settings = current_settings(options.data, args, options.distill_from)
         if checkpoint is not None:
             # Before Trainer is built (it makes folders in the output directory): a refusal changes nothing.
             check_run_settings(checkpoint, settings, options.resume_changed_settings)
@@ -471,13 +473,17 @@ class RunSetup:
     callbacks: list[Any]
     block_size: int
     use_mup: bool
+    # The source model that teaches this one (`--distill-from`), or None.
+    teacher: Any = None
 
 
 def prepare_run(model_or_path: Any, options: TrainOptions, checkpoint: Path | None) -> RunSetup:
     """Load the model and tokenizer, read the data, resolve callbacks, apply LoRA, check the checkpoint."""
+    check_distillation_options(options.distill_from, options.distill_temperature, options.align_hidden)
     model = load_model(model_or_path, options.seed)
     tokenizer = load_tokenizer(model, model_or_path, options.tokenizer)
     _check_vocabulary(model, tokenizer)
+    teacher = None if options.distill_from is None else load_teacher(options.distill_from, model, tokenizer)
     block_size = resolve_block_size(model, options.block_size)
     train_set, eval_set = prepare_datasets(
         options.data,
@@ -503,8 +509,11 @@ def prepare_run(model_or_path: Any, options: TrainOptions, checkpoint: Path | No
         set_seed(options.seed)
         model = apply_lora(model, options.lora_r, options.lora_alpha, options.lora_dropout)
     if checkpoint is not None:
+        # Trainer writes the tokenizer's pad/bos/eos ids into the config when training starts, so the
+        # checkpoint holds them: compare it with the config this run will train under.
+        align_special_tokens(model, tokenizer)
         check_resume(model, checkpoint, options.lora)
-    return RunSetup(model, tokenizer, train_set, eval_set, callbacks, block_size, use_mup)
+    return RunSetup(model, tokenizer, train_set, eval_set, callbacks, block_size, use_mup, teacher)
 
 
 def run_details(options: TrainOptions, setup: RunSetup) -> dict[str, Any]:
@@ -521,13 +530,22 @@ def run_details(options: TrainOptions, setup: RunSetup) -> dict[str, Any]:
 
 
 def build_trainer(setup: RunSetup, args: TrainingArguments, options: TrainOptions) -> RecipeTrainer:
-    """The `RecipeTrainer` of a run; LSLM gets its interleaved schedule."""
+    """The `RecipeTrainer` of a run; LSLM gets its interleaved schedule, a run with `--distill-from` the
+    `DistillationTrainer`."""
     callbacks = setup.callbacks
     if setup.model.config.model_type == "lslm":
         from hf_concept.training.lslm import InterleavedUpdates
 
         callbacks = [*callbacks, InterleavedUpdates()]
-    return RecipeTrainer(
+    trainer_class, teaching = RecipeTrainer, {}
+    if setup.teacher is not None:
+        trainer_class = DistillationTrainer
+        teaching = dict(
+            teacher_model=setup.teacher,
+            distill_temperature=options.distill_temperature,
+            align_hidden=options.align_hidden,
+        )
+    return trainer_class(
         model=setup.model,
         args=args,
         train_dataset=setup.train_set,
@@ -537,6 +555,7 @@ def build_trainer(setup: RunSetup, args: TrainingArguments, options: TrainOption
         callbacks=callbacks,
         mup=setup.use_mup,
         mup_learning_rate=options.learning_rate,
+        **teaching,
     )
 
 

@@ -87,10 +87,14 @@ def data_fingerprint(paths: Sequence[str | Path]) -> str:
     return digest.hexdigest()
 
 
-def current_settings(data: str | Path | Sequence[str | Path], args: Any) -> dict[str, Any]:
-    """The settings of this run that a checkpoint records; `args` are its `TrainingArguments`."""
+def current_settings(
+    data: str | Path | Sequence[str | Path], args: Any, distill_from: str | Path | None = None
+) -> dict[str, Any]:
+    """The settings of this run that a checkpoint records; `args` are its `TrainingArguments`,
+    `distill_from` the source that teaches it (`--distill-from`)."""
     paths = [data] if isinstance(data, (str, Path)) else list(data)
     return {
+        "distill_from": None if distill_from is None else str(distill_from),
         "format": SETTINGS_FORMAT,
         "data": [str(path) for path in paths],
         "data_fingerprint": data_fingerprint(paths),
@@ -166,6 +170,12 @@ def check_run_settings(checkpoint: Path, current: dict[str, Any], allow_changes:
             "batch size, gradient accumulation steps and world size"
         )
         return
+    if recorded.get("distill_from") and not current.get("distill_from"):
+        # Its loss had the teacher's terms: going on without them is another recipe, not a resume.
+        raise TrainSetupError(
+            f"{checkpoint} was written by a distilled run (--distill-from {recorded['distill_from']}): "
+            "resume it with --distill-from SOURCE"
+        )
     changes = settings_changes(recorded, current)
     if changes and not allow_changes:
         raise TrainSetupError(
