@@ -274,3 +274,26 @@ def test_distillation_runs_with_lora_the_held_ratio_and_accumulation(distill_wor
     state = json.loads((out / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
     logged = [entry for entry in state["log_history"] if "distill_loss" in entry]
     assert len(logged) == 2 and all(entry["distill_loss"] > 0 for entry in logged)
+
+
+def test_a_lossy_hidden_decoding_conversion_is_taught_by_its_source(tmp_path):
+    """Local layers with a window shorter than the text depart from a full-attention source (a notice says
+    so at conversion): the teacher's terms apply to Hidden Decoding as they do to ConceptMoE."""
+    from hf_concept.conversion.hidden_decoding import convert_to_hidden_decoding
+    from hf_concept.modeling.modeling_hidden_decoding import HiddenDecodingForCausalLM
+
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    with torch.no_grad():
+        source.lm_head.weight *= 8
+    source.save_pretrained(tmp_path / "source")
+    folder = convert_to_hidden_decoding(
+        tmp_path / "source", tmp_path / "hd", num_streams=2, stream_attention_layout="llfi", local_window=2
+    )
+    teacher, student = source.eval(), HiddenDecodingForCausalLM.from_pretrained(folder)
+    rows = teacher_text(teacher, 16)
+    with torch.no_grad():
+        input_ids = torch.tensor([row["input_ids"] for row in rows])
+        assert distillation_kl(student(input_ids).logits, teacher(input_ids).logits, input_ids > 0) > 1e-3
+    model = trained(tmp_path, teacher, student, rows, align_hidden=0.5)
+    assert all(parameter.grad is None for parameter in teacher.parameters()) and model is not None
