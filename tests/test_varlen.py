@@ -16,7 +16,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_concept.modeling import replication, varlen
+from hf_concept.modeling import dlcm_replication, varlen
 from hf_concept.modeling.varlen import (
     VARLEN_ATTENTION,
     VarlenLayout,
@@ -349,13 +349,13 @@ def test_hidden_decoding_token_block_layers_fall_back_with_their_reason():
 
 def test_dlcm_auto_form_keeps_cpu_and_reads_the_cuda_table(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert replication.preferred_form(cpu, 4096, 512, True) == "counted"
-    assert replication.preferred_form(cpu, 8192, 4096, True) == "replicated"
-    assert replication.preferred_form(cuda, 8192, 2048, True) == "replicated"
-    monkeypatch.setattr(replication, "CUDA_MEASURED_FORMS", ((16384, 3.0, True, "counted"),))
-    assert replication.preferred_form(cuda, 8192, 2048, True) == "counted"
-    assert replication.preferred_form(cuda, 8192, 4096, True) == "replicated"
-    assert replication.preferred_form(cuda, 8192, 2048, False) == "replicated"
+    assert dlcm_replication.preferred_form(cpu, 4096, 512, True) == "counted"
+    assert dlcm_replication.preferred_form(cpu, 8192, 4096, True) == "replicated"
+    assert dlcm_replication.preferred_form(cuda, 8192, 2048, True) == "replicated"
+    monkeypatch.setattr(dlcm_replication, "CUDA_MEASURED_FORMS", ((16384, 3.0, True, "counted"),))
+    assert dlcm_replication.preferred_form(cuda, 8192, 2048, True) == "counted"
+    assert dlcm_replication.preferred_form(cuda, 8192, 4096, True) == "replicated"
+    assert dlcm_replication.preferred_form(cuda, 8192, 2048, False) == "replicated"
 
 
 @CUDA
