@@ -40,6 +40,13 @@ same rate as training on every text, deterministic and causal, and the decision 
 while the router is unsure (q_t ≈ 0.7 everywhere under the default prior); a threshold at or above
 `prior_mean` is warned about. Checkpoints saved before `boundary_rule` existed load with "rate".
 
+`boundary_source` says what decides the ends, so that the hierarchy can be measured without the router:
+"router" (default, the paper's), "every" (every byte ends its segment: one byte per segment) or "random"
+(byte t of a document ends its segment where a fixed hash of t and `boundary_seed` falls below the prior
+mean: the same ends in training, evaluation and generation, `lslm_boundary_rules.random_ends`). With
+"every" and "random" the router still runs (its q_t are logged and scored by the prior term) but decides
+nothing. `<BoS>`, `<eos>`, markers and document ends close segments under every source.
+
 `check_fields` raises `ValueError` naming the field and the value.
 """
 
@@ -58,6 +65,7 @@ logger = logging.get_logger(__name__)
 
 PRIOR_LOSSES = ("beta_binomial", "kl", "binomial")
 BOUNDARY_ESTIMATORS = ("straight_through", "straight_through_targets", "confidence")
+BOUNDARY_SOURCES = ("router", "every", "random")
 # What a config saved before issue 28 meant by leaving these fields out.
 LEGACY_FIELDS = {"prior_loss": "kl", "boundary_estimator": "confidence", "decoder_latest_segment": False}
 BOUNDARY_RULES = ("rate", "threshold")
@@ -117,6 +125,8 @@ class LSLMConfig(PlainDecoderConfig):
     update_schedule: int = 1
     boundary_threshold: float = 0.5
     boundary_rule: str = "rate"
+    boundary_source: str = "router"
+    boundary_seed: int = 0
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -207,6 +217,10 @@ class LSLMConfig(PlainDecoderConfig):
         if self.boundary_rule not in BOUNDARY_RULES:
             rules = ", ".join(BOUNDARY_RULES)
             raise ValueError(f"boundary_rule={self.boundary_rule!r} must be one of {rules}")
+        if self.boundary_source not in BOUNDARY_SOURCES:
+            sources = ", ".join(BOUNDARY_SOURCES)
+            raise ValueError(f"boundary_source={self.boundary_source!r} must be one of {sources}")
+        _check_int("boundary_seed", self.boundary_seed, low=0, high=2**31 - 1)
         if self.sliding_window is not None or self.num_experts != 0:
             raise ValueError(
                 f"sliding_window={self.sliding_window!r}, num_experts={self.num_experts!r}: LSLM's stages "

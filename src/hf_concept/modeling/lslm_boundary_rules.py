@@ -59,3 +59,28 @@ def running_units(probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tens
     """(B,) int64: each row's running sum after its last column (the last document's), for the cache."""
     _, after = _running_sums(probs, counted, starts)
     return after[:, -1] if after.shape[1] else after.new_zeros(after.shape[0])
+
+
+HASH_MASK = 0xFFFFFFFF
+
+
+def random_ends(positions: torch.Tensor, seed: int, rate: float) -> torch.Tensor:
+    """Bool ends of `boundary_source="random"`: the byte of rank `positions` in its document ends its
+    segment where a fixed integer hash of (rank, `seed`), read as a fraction of 2^32, falls below `rate`.
+    Integer arithmetic only: the same rank gives the same answer in a parallel pass, in every cached
+    step and on every device."""
+    mixed = (positions.long() ^ ((seed * 0x27D4EB2D) & HASH_MASK)) & HASH_MASK
+    for _ in range(3):
+        # A 32-bit integer mix; the product stays below 2^59, inside int64.
+        mixed = (((mixed >> 16) ^ mixed) * 0x45D9F3B) & HASH_MASK
+    mixed = (mixed >> 16) ^ mixed
+    return mixed < int(rate * 2**32)
+
+
+def source_ends(config, positions: torch.Tensor) -> torch.Tensor:
+    """Ends decided by a `boundary_source` other than the router: every byte ("every"), or `random_ends`
+    at the prior's mean rate ("random")."""
+    if config.boundary_source == "every":
+        return torch.ones_like(positions, dtype=torch.bool)
+    alpha, beta = config.beta_prior()
+    return random_ends(positions, config.boundary_seed, alpha / (alpha + beta))

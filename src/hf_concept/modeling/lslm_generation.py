@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.generation.streamers import BaseStreamer
 
-from .lslm_boundary_rules import crosses, rate_units, running_units
+from .lslm_boundary_rules import crosses, rate_units, running_units, source_ends
 from .lslm_layout import ByteView, always_closing, document_causal_mask
 from .lslm_segment_cache import SegmentCache
 from .pooling import pool_open_chunk
@@ -169,6 +169,9 @@ class SegmentCacheSteps:
 
     def step_decisions(self, probs: torch.Tensor, counted: torch.Tensor, cache: SegmentCache) -> torch.Tensor:
         """(B,) the inference rule for one column, advancing the cache's running sum ("rate")."""
+        if self.config.boundary_source != "router":
+            # `token_step` has counted this byte: its rank in the row's document is one less.
+            return source_ends(self.config, cache.byte_counts - 1) & counted
         if self.config.boundary_rule != "rate":
             return (probs >= self.config.boundary_threshold) & counted
         units = rate_units(probs, counted)

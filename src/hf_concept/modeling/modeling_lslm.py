@@ -81,7 +81,7 @@ from .layers import (
 )
 from .loss_terms import prior_loss_terms, warn_loss_terms_dropped
 from .lslm_attention_layout import decoder_layouts, segment_layout, token_layout
-from .lslm_boundary_rules import rate_matched_ends
+from .lslm_boundary_rules import rate_matched_ends, source_ends
 from .lslm_estimators import (
     straight_through_ends,
     straight_through_pool_weights,
@@ -371,8 +371,11 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         special = always_closing(view.ids, config)
         forced = (special | next_starts | view.marker_ends) & mask
         # What inference decides (also in training, for the logged inference rate).
-        inferred = self.inference_decisions(probs, mask & ~special, view.starts)
-        if self.training:
+        inferred = self.inference_decisions(probs, mask & ~special, view)
+        if self.training and config.boundary_source != "router":
+            # The ends are given: nothing to sample, and no path from the LM loss into the router.
+            relaxed, decided = inferred.to(probs.dtype), inferred
+        elif self.training:
             # LSLM eq. 5-6: the Gumbel-sigmoid sample at ½ is a Bernoulli(q_t) draw.
             relaxed = gumbel_sigmoid(logits, *sample_gumbel_noise(tuple(logits.shape), device=logits.device))
             decided = relaxed >= 0.5
@@ -402,11 +405,14 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             straight,
         )
 
-    def inference_decisions(self, probs: torch.Tensor, counted: torch.Tensor, starts: torch.Tensor):
-        """(B, T) bool: the router's closes at inference under `boundary_rule` ("rate": `lslm_boundary_rules`,
-        over the `counted` bytes of each document; "threshold": q_t >= `boundary_threshold`)."""
+    def inference_decisions(self, probs: torch.Tensor, counted: torch.Tensor, view: ByteView):
+        """(B, T) bool: the closes at inference among the `counted` bytes: the `boundary_source`'s when it is
+        not the router; else under `boundary_rule` ("rate": `lslm_boundary_rules`, over each document;
+        "threshold": q_t >= `boundary_threshold`)."""
+        if self.config.boundary_source != "router":
+            return source_ends(self.config, view.position_ids) & counted
         if self.config.boundary_rule == "rate":
-            return rate_matched_ends(probs, counted, starts)
+            return rate_matched_ends(probs, counted, view.starts)
         return (probs >= self.config.boundary_threshold) & counted
 
     def encode_segments(

@@ -104,16 +104,20 @@ def reference_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor 
     open_columns: list[int] = []
     pooled: list[torch.Tensor] = []
     running = 0.0  # boundary_rule "rate": the document's running sum of q (in 2^-16 steps)
+    rank = 0  # the byte's rank in its document (boundary_source "every" / "random")
     for column, token in enumerate(ids):
         if starts[column]:
             if open_columns:
                 segments.append((documents[column - 1], open_columns, True))
-            open_columns, pooled, running = [], [], 0.0
+            open_columns, pooled, running, rank = [], [], 0.0, 0
         if is_byte[column]:
             open_columns.append(column)
             q = float(torch.sigmoid(backbone.router(byte_states[column][None, None]))[0, 0])
+            rank += 1
             if token in special:
                 closes = True
+            elif config.boundary_source != "router":
+                closes = _source_closes(config, rank - 1)
             elif config.boundary_rule == "rate":
                 step = round(q * 2**16) / 2**16
                 # Closes where the running sum passes a half-integer (boundary_rules' docstring).
@@ -133,6 +137,19 @@ def reference_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor 
     if open_columns:
         segments.append((documents[-1], open_columns, False))
     return torch.stack(logits), _loss(model, ids, segments, byte_states)
+
+
+def _source_closes(config, rank: int) -> bool:
+    """`boundary_source` "every" / "random" for the byte of `rank` in its document, in plain integers."""
+    if config.boundary_source == "every":
+        return True
+    mask = 0xFFFFFFFF
+    mixed = (rank ^ ((config.boundary_seed * 0x27D4EB2D) & mask)) & mask
+    for _ in range(3):
+        mixed = (((mixed >> 16) ^ mixed) * 0x45D9F3B) & mask
+    mixed = (mixed >> 16) ^ mixed
+    alpha, beta = config.beta_prior()
+    return mixed < int(alpha / (alpha + beta) * 2**32)
 
 
 def _loss(model, ids, segments, byte_states) -> torch.Tensor:
