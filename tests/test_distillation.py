@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,8 @@ from hf_concept.training.distillation import (
 )
 from hf_concept.training.recipe_trainer import RecipeTrainer
 from tests.test_convert_conceptmoe import TINY_LLAMA
-from tests.test_train_command import make_workspace
+from tests.test_train_command import REPO, _free_port, make_workspace
+from tests.workers.train_worker import RECORD_DIR_ENV
 
 
 def logits_pair(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -297,3 +301,32 @@ def test_a_lossy_hidden_decoding_conversion_is_taught_by_its_source(tmp_path):
         assert distillation_kl(student(input_ids).logits, teacher(input_ids).logits, input_ids > 0) > 1e-3
     model = trained(tmp_path, teacher, student, rows, align_hidden=0.5)
     assert all(parameter.grad is None for parameter in teacher.parameters()) and model is not None
+
+
+def test_two_processes_distil_with_the_step_shares_and_end_identical(distill_workspace, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, CPU), 2 micro-batches per step: the KL term is a share of the
+    step's label count like the LM loss, so the logged loss is their sum plus the ratio term, and both
+    ranks log and end the same."""
+    root, records = distill_workspace, tmp_path / "ranks"
+    records.mkdir()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
+    address = ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    command = [
+        *launcher, *address, "-m", "hf_concept.cli", "train", str(root / "converted"),
+        "--data", str(root / "corpus.txt"), "--output-dir", str(tmp_path / "out"), "--max-steps", "2",
+        "--logging-steps", "1", "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "2",
+        "--block-size", "32", "--save-steps", "0", "--distill-from", str(root / "source"),
+        "--callback", "tests.workers.train_worker:RecordRanks",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **{RECORD_DIR_ENV: str(records)})
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    ranks = [torch.load(records / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    logs = [[entry for entry in rank["logs"] if "loss" in entry] for rank in ranks]
+    assert logs[0] == logs[1] and len(logs[0]) == 2
+    weight = json.loads((root / "converted" / "config.json").read_text())["aux_loss_weight"]
+    for entry in logs[0]:
+        total = entry["lm_loss"] + weight * entry["aux_loss"] + entry["distill_loss"]
+        assert entry["distill_loss"] > 0 and entry["loss"] == pytest.approx(total, abs=1e-4), entry
+    for name, value in ranks[0]["parameters"].items():
+        assert torch.equal(value, ranks[1]["parameters"][name]), name

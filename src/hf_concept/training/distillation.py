@@ -158,14 +158,26 @@ class DistillationTrainer(RecipeTrainer):
         if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
             normalizer = num_items_in_batch
         kl = distillation_kl(outputs.logits, teacher.logits, positions, self.distill_temperature, normalizer)
-        loss = loss + kl
+        scale = self.loss_scale(num_items_in_batch)
+        loss = loss + scale * kl
         outputs["distill_loss"] = kl.detach()
         if aligning:
             student_states, teacher_states = outputs.hidden_states[-1], teacher.hidden_states[-1]
             aligned = hidden_alignment(student_states, teacher_states, positions, normalizer)
-            loss = loss + self.align_hidden * aligned
+            loss = loss + scale * self.align_hidden * aligned
             outputs["align_loss"] = aligned.detach()
         return loss, outputs
+
+    def loss_scale(self, num_items_in_batch: Any) -> int:
+        """The factor `Trainer.compute_loss` multiplies the model's loss by (in place, so it cannot be read
+        back): with tokens averaged across processes each process's share of the step is scaled by their
+        number (DDP then averages the gradients); the added terms, shares of the same count, must be too.
+        Tensor parallelism, which would divide it, is not used by these recipes."""
+        args = self.args
+        averaged = getattr(args, "average_tokens_across_devices", False) and self.model_accepts_loss_kwargs
+        if not averaged or num_items_in_batch is None:
+            return 1
+        return args.n_gpu if args.n_gpu > 1 else self.accelerator.num_processes
 
     @torch.no_grad()
     def teacher_outputs(self, inputs: dict[str, Any], hidden_states: bool) -> Any:
