@@ -259,7 +259,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             )
             slots = self.decoder_slots(view, segmentation)
             column_slots = token_slots(view, segmentation, slots)  # (B, T)
-            lay_out("decoder", decoder_layouts(view, slots, column_slots))
+            lay_out("decoder", *decoder_layouts(view, slots, column_slots))
             slot_states = self.decode(slots, segments, segment_valid, segment_documents)  # (B, S, Dd)
         if cache is not None:
             self.fill_cache(cache, view, token_states, segmentation, segments)
@@ -292,12 +292,13 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         starts = document_starts(mask, position_ids.expand(batch, -1))
         return mask, byte_view(input_ids, mask, starts, self.config)
 
-    def attention_layouts(self, recorder: AttentionRecorder | None) -> Callable[[str, Any], None]:
-        """-> lay_out(stage, layouts): record the "token", "segment" or "decoder" stage's attention as
-        token-aligned rows (`lslm_attention_layout`), inside the graph unless the layers are recomputed
-        in backward (gradient checkpointing runs them unrecorded) or no gradient is taken."""
+    def attention_layouts(self, recorder: AttentionRecorder | None) -> Callable[..., None]:
+        """-> lay_out(stage, *layouts), one layout per attention kind of the "token", "segment" or
+        "decoder" stage: record its attention as token-aligned rows (`lslm_attention_layout`), inside the
+        graph unless the layers are recomputed in backward (gradient checkpointing runs them unrecorded) or
+        no gradient is taken."""
         if recorder is None or not recorder.enabled:
-            return lambda stage, layouts: None
+            return lambda stage, *layouts: None
         # Each checkpointed layer carries the flag (`GradientCheckpointingLayer`), in every release.
         checkpointed = any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
         in_graph = torch.is_grad_enabled() and not (self.training and checkpointed)
@@ -310,8 +311,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             ],
         }
 
-        def lay_out(stage: str, layouts: Any) -> None:
-            layouts = layouts if isinstance(layouts, tuple) else (layouts,)
+        def lay_out(stage: str, *layouts: Any) -> None:
             for modules, layout in zip(stages[stage], layouts, strict=True):
                 recorder.lay_out(modules, layout, in_graph)
 

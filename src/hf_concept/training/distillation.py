@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_concept.training.errors import TrainSetupError
 from hf_concept.training.recipe_trainer import RecipeTrainer
@@ -88,7 +89,8 @@ def check_distillation_options(source: Any, temperature: float, align_hidden: fl
     """Refuse a temperature or weight that cannot work, and the distillation options without a source."""
     if source is None and (temperature != 1.0 or align_hidden != 0.0):
         raise TrainSetupError("--distill-temperature and --align-hidden go with --distill-from SOURCE")
-    if not temperature > 0 or temperature != temperature:
+    # `not >` also refuses NaN.
+    if not temperature > 0:
         raise TrainSetupError(f"--distill-temperature {temperature} must be a positive number")
     if not align_hidden >= 0:
         raise TrainSetupError(f"--align-hidden {align_hidden} must be 0 (off) or a positive weight")
@@ -102,8 +104,6 @@ def load_teacher(source: str | Path, student: torch.nn.Module, tokenizer: Any) -
     """The source model at `source`, in the student's dtype, for `DistillationTrainer`; refused in one line
     when it cannot be read or when its vocabulary or tokenizer differs from the student's (the KL term
     compares distributions over the same token ids)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         teacher = AutoModelForCausalLM.from_pretrained(source, dtype=student.dtype)
     except (OSError, ValueError) as error:
