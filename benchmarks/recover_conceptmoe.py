@@ -1,8 +1,22 @@
-"""Continued training of a converted ConceptMoE on CPU: does it recover its source (issue 29 point 3)?
+"""Continued training of a converted ConceptMoE on CPU: does it recover its source?
 
 The source (a Llama-family safetensors folder, e.g. SmolLM2-135M-Instruct) is converted in this run with
-`convert_to_conceptmoe` (dynamic chunking at `--ratio`, random router, zero joint decoding), then trained
-for `--minutes` of training wall time (evaluation excluded; both clocks are reported).
+`convert_to_conceptmoe` (dynamic chunking at `--ratio`, decisions on local ranks unless `--rank-window 0`,
+random router, zero joint decoding), then trained for `--minutes` of training wall time (evaluation
+excluded; both clocks are reported) or `--max-steps`.
+
+Objectives: the LM loss (and the ratio loss at `--aux-loss-weight`); `--distill` adds T² · KL(source ‖
+converted) at every label position, `--align-hidden W` also W · (1 − cosine) of the token states the
+conversion's layer map pairs (`hf_concept.training.distillation`, the functions `DistillationTrainer`
+uses). The source is the teacher, kept in memory from its own evaluation. Only the conversion's first
+`--encoder-layers` layers are shared with the source unchanged (under `--train new`), 2 of SmolLM2's 30:
+the teacher runs whole rather than from the student's encoder output, a second code path for about 7% of
+its forward.
+
+`--checkpoint DIR` keeps the trainable weights, optimizer, schedule, threshold, data position and record
+every `--checkpoint-every-minutes` of training; the same command started again goes on from there (the
+budget, outputs and threads may change; any other argument is refused), so a long arm survives a killed
+session. Every evaluation logs the machine's load average, for arms run side by side.
 
 What trains (`--train`):
 - `all`: every weight;
@@ -36,6 +50,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 import sys
 import tempfile
 import time
@@ -50,6 +65,12 @@ from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
 from hf_concept.evaluation import bits_per_byte
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEModel
 from hf_concept.training.data import load_saved_dataset
+from hf_concept.training.distillation import (
+    alignment_pairs,
+    distillation_kl,
+    hidden_alignment,
+    label_positions,
+)
 from hf_concept.training.ratio_hold import RatioHold, calibrate_threshold
 from hf_concept.training.sweep import atomic_write_json
 from hf_concept.utils import eval_mode
@@ -82,6 +103,36 @@ NEW_MODULES = (
 LORA_TARGETS = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
+def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """The conversion's decision rule, the distillation terms and the checkpoint."""
+    parser.add_argument(
+        "--rank-window",
+        type=int,
+        default=None,
+        help="boundary_rank_window of the conversion (default: the converter's; 0: one threshold on the "
+        "router's probabilities for every text, the recipe before local ranks)",
+    )
+    parser.add_argument(
+        "--distill",
+        action="store_true",
+        help="add T² · KL(source ‖ converted) at every label position (training.distillation) to the loss",
+    )
+    parser.add_argument("--distill-temperature", type=float, default=1.0, help="T of --distill")
+    parser.add_argument(
+        "--align-hidden",
+        type=float,
+        default=0.0,
+        help="with --distill: weight of the hidden-state alignment over the conversion's layer map",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        help="keep a resumable checkpoint here (every --checkpoint-every-minutes of training); a run started "
+        "again with the same arguments goes on from it",
+    )
+    parser.add_argument("--checkpoint-every-minutes", type=float, default=5.0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", help="the source checkpoint folder (safetensors)")
@@ -108,10 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
         "at once (ratio_hold.calibrate_threshold) before the last evaluation and the save; 0: keep the last "
         "step's",
     )
+    add_recovery_arguments(parser)
     parser.add_argument("--train", choices=TRAIN_MODES, default="all")
     parser.add_argument("--minutes", type=float, default=60.0, help="training wall time, eval excluded")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps too")
     parser.add_argument("--eval-every-minutes", type=float, default=10.0)
+    parser.add_argument(
+        "--eval-every-steps",
+        type=int,
+        default=None,
+        help="evaluate every this many steps instead (arms compared by tokens, whatever else runs)",
+    )
     parser.add_argument("--eval-splits", default="held_out", help="comma-separated: validation, held_out")
     parser.add_argument("--eval-bytes", type=int, default=4096, help="evaluation bytes per cell")
     parser.add_argument("--lr", type=float, default=None, help="peak LR (default per --train mode)")
@@ -140,6 +198,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not args.ratio >= 1 or args.minutes <= 0 or args.eval_every_minutes <= 0:
         parser.error("--ratio must be >= 1, --minutes and --eval-every-minutes > 0")
+    if args.align_hidden and not args.distill:
+        parser.error("--align-hidden goes with --distill")
+    if not args.distill_temperature > 0 or not args.align_hidden >= 0:
+        parser.error("--distill-temperature must be > 0 and --align-hidden >= 0")
     splits = args.eval_splits.split(",")
     if not splits or any(split not in ("validation", "held_out") for split in splits):
         parser.error(f"--eval-splits={args.eval_splits!r}: a list of validation, held_out")
@@ -149,8 +211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
+        # The smoke settings, except where the command line sets a value of its own.
         for name, value in QUICK.items():
-            setattr(args, name, value)
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
     check_args(parser, args)
     args.eval_splits = args.eval_splits.split(",")
     args.lr = DEFAULT_LR[args.train] if args.lr is None else args.lr
@@ -192,6 +256,21 @@ class TrainBatches:
         cells = cell_documents(split)
         self.streams = {cell: cell_windows(split, rows, tokenizer, context) for cell, rows in cells.items()}
         self.batch_size, self.tokens, self.turn = batch_size, 0, 0
+        self.taken = dict.fromkeys(self.streams, 0)
+
+    def position(self) -> dict[str, Any]:
+        """Where the batches stand, for a checkpoint (`skip_to` goes back there)."""
+        return {"tokens": self.tokens, "turn": self.turn, "taken": dict(self.taken)}
+
+    def skip_to(self, position: dict[str, Any]) -> None:
+        """Drop the windows a checkpointed run already read (tokenised again, never trained on twice)."""
+        for cell, count in position["taken"].items():
+            for _ in range(count):
+                if next(self.streams[cell], None) is None:
+                    del self.streams[cell]
+                    break
+            self.taken[cell] = count
+        self.tokens, self.turn = position["tokens"], position["turn"]
 
     def next_batch(self) -> torch.Tensor | None:
         """The next batch, or None once the split cannot fill one."""
@@ -203,6 +282,7 @@ class TrainBatches:
                 del self.streams[cell]
                 continue
             self.turn += 1
+            self.taken[cell] += 1
             rows.append(window)
         if len(rows) < self.batch_size:
             return None
@@ -219,23 +299,25 @@ def concept_model(model: nn.Module) -> ConceptMoEModel | None:
 
 
 def evaluate(model: nn.Module, tokenizer, texts: dict[str, str], args: argparse.Namespace) -> dict:
-    """Pooled and per-cell bits per byte of `texts`, and (ConceptMoE) realised tokens per concept."""
-    counts = {"tokens": 0, "concepts": 0}
+    """Pooled and per-cell bits per byte of `texts`, and (ConceptMoE) realised tokens per concept, pooled
+    and per cell."""
+    counts: dict[str, list[int]] = {cell: [0, 0] for cell in texts}
+    current = {"cell": None}
 
     def count(module, inputs, output) -> None:
         # Inference boundaries (eval mode: thresholded) over the real tokens of each window.
-        counts["tokens"] += int(output.token_mask.sum())
-        counts["concepts"] += int((output.boundaries & output.token_mask).sum())
+        counts[current["cell"]][0] += int(output.token_mask.sum())
+        counts[current["cell"]][1] += int((output.boundaries & output.token_mask).sum())
 
     inner = concept_model(model)
     hook = None if inner is None else inner.register_forward_hook(count)
+    cells = {}
     try:
-        cells = {
-            cell: bits_per_byte(
+        for cell, text in texts.items():
+            current["cell"] = cell
+            cells[cell] = bits_per_byte(
                 model, tokenizer, text, context=args.context, batch_size=args.batch_size, convention="lm-eval"
             )
-            for cell, text in texts.items()
-        }
     finally:
         if hook is not None:
             hook.remove()
@@ -246,7 +328,9 @@ def evaluate(model: nn.Module, tokenizer, texts: dict[str, str], args: argparse.
         "bytes": num_bytes,
     }
     if inner is not None:
-        result["tokens_per_concept"] = counts["tokens"] / max(counts["concepts"], 1)
+        tokens, concepts = (sum(column) for column in zip(*counts.values(), strict=True))
+        result["tokens_per_concept"] = tokens / max(concepts, 1)
+        result["cell_tokens_per_concept"] = {cell: t / max(c, 1) for cell, (t, c) in counts.items()}
     return result
 
 
@@ -299,15 +383,46 @@ def prepare_training(model: ConceptMoEForCausalLM, mode: str, rank: int) -> nn.M
     return model
 
 
-def training_step(model: nn.Module, optimizer, batch: torch.Tensor) -> dict[str, float]:
-    """One AdamW step on a (B, L) batch; gradients clipped at 1.0 (the norm before clipping reported)."""
+def teacher_terms(
+    model: nn.Module, output: Any, teacher: nn.Module, batch: torch.Tensor, args: argparse.Namespace
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """--distill: the KL term (and with --align-hidden the alignment over the conversion's layer map) to
+    add to the loss, and their values; the same functions `DistillationTrainer` uses."""
+    aligning = args.align_hidden > 0
+    with torch.no_grad():
+        taught = teacher(input_ids=batch, output_hidden_states=aligning, use_cache=False)
+    positions = label_positions(batch)
+    kl = distillation_kl(output.logits, taught.logits, positions, args.distill_temperature)
+    figures, extra = {"distill_loss": kl.item()}, kl
+    if aligning:
+        pairs = alignment_pairs(concept_model(model).config, len(taught.hidden_states) - 1)
+        terms = [
+            hidden_alignment(output.hidden_states[ours], taught.hidden_states[theirs], positions)
+            for ours, theirs in pairs
+        ]
+        aligned = sum(terms) / len(terms)
+        figures["align_loss"] = aligned.item()
+        extra = extra + args.align_hidden * aligned
+    return extra, figures
+
+
+def training_step(
+    model: nn.Module, optimizer, batch: torch.Tensor, teacher: nn.Module | None, args: argparse.Namespace
+) -> dict[str, float]:
+    """One AdamW step on a (B, L) batch (with `teacher`, the --distill terms added); gradients clipped at
+    1.0 (the norm before clipping reported)."""
     optimizer.zero_grad(set_to_none=True)
-    output = model(input_ids=batch, labels=batch)
-    output.loss.backward()
+    aligning = teacher is not None and args.align_hidden > 0
+    output = model(input_ids=batch, labels=batch, output_hidden_states=aligning)
+    loss, figures = output.loss, {}
+    if teacher is not None:
+        extra, figures = teacher_terms(model, output, teacher, batch, args)
+        loss = loss + extra
+    loss.backward()
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
     optimizer.step()
-    figures = {"loss": output.loss.item(), "grad_norm": float(norm)}
+    figures.update(loss=loss.item(), grad_norm=float(norm))
     for key in ("lm_loss", "aux_loss", "compression_ratio"):
         value = getattr(output, key, None)
         if value is not None:
@@ -327,6 +442,7 @@ def converted_model(source: Path, folder: Path, args: argparse.Namespace) -> Con
         router_init=args.router_init,
         seed=args.seed,
         dtype="float32",
+        **({} if args.rank_window is None else {"rank_window": args.rank_window}),
     )
     model = ConceptMoEForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if args.aux_loss_weight is not None:
@@ -357,6 +473,17 @@ class Run:
         if self.args.json:
             atomic_write_json(Path(self.args.json), self.record)
 
+    def log_step(self, step: int, seconds: float, figures: dict[str, float]) -> None:
+        self.train_seconds += seconds
+        self.record["steps"].append({"step": step, "seconds": round(seconds, 2), **figures})
+        print(
+            f"[train] step {step} loss {figures['loss']:.4f} lm {figures.get('lm_loss', math.nan):.4f} "
+            f"kl {figures.get('distill_loss', math.nan):.4f} "
+            f"ratio {figures.get('compression_ratio', math.nan):.2f} "
+            f"grad {figures['grad_norm']:.2f} {seconds:.1f} s",
+            flush=True,
+        )
+
     def evaluate(self, model: nn.Module, tokenizer, texts: dict[str, dict[str, str]], step: int, tokens: int):
         point = {"step": step, "train_tokens": tokens, "train_seconds": round(self.train_seconds, 1)}
         for split, cells in texts.items():
@@ -371,48 +498,113 @@ class Run:
                 flush=True,
             )
         point["wall_seconds"] = round(time.perf_counter() - self.started, 1)
+        # The machine's load: arms that ran side by side are compared knowing what else ran.
+        point["load_average"] = list(os.getloadavg())
         self.record["curve"].append(point)
         self.write()
 
 
-def train(
-    model: nn.Module, tokenizer, data: TrainBatches, texts: dict, run: Run, hold: RatioHold | None
-) -> int:
-    """Train until the time budget, --max-steps or the data run out, evaluating on schedule (with `hold`,
-    the router's threshold recalibrated after every step); returns the number of steps."""
-    args = run.args
+# Arguments a resumed run may change: its budget and where it writes.
+RESUMABLE_CHANGES = ("minutes", "max_steps", "json", "save", "checkpoint_every_minutes", "threads")
+
+
+class Checkpoint:
+    """--checkpoint: the trainable weights, optimizer, schedule, data position, threshold and record of a
+    run, written to a staging file renamed into place, so that a killed run loses at most one interval."""
+
+    def __init__(self, folder: str | None) -> None:
+        self.path = None if folder is None else Path(folder) / "state.pt"
+
+    def load(self, args: argparse.Namespace) -> dict | None:
+        if self.path is None or not self.path.exists():
+            return None
+        state = torch.load(self.path, weights_only=False)
+        before, now = state["record"]["args"], vars(args)
+        # An argument the checkpoint predates is taken at its value now.
+        changed = [
+            name
+            for name in now
+            if name in before and name not in RESUMABLE_CHANGES and before[name] != now[name]
+        ]
+        if changed:
+            raise SystemExit(f"--checkpoint {self.path.parent}: saved with other arguments ({changed})")
+        print(
+            f"[resume] step {state['step']}, {state['train_seconds'] / 60:.1f} training minutes", flush=True
+        )
+        return state
+
+    def save(self, model: nn.Module, state: dict) -> None:
+        if self.path is None:
+            return
+        trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.with_suffix(".staging")
+        torch.save({**state, "weights": trainable}, staging)
+        staging.replace(self.path)
+
+
+def restore(model: nn.Module, state: dict, optimizer, schedule) -> None:
+    """A checkpoint's weights, optimizer, schedule and threshold back into this run."""
+    weights = state["weights"]
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name in weights:
+                parameter.copy_(weights[name])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    inner = concept_model(model)
+    if inner is not None:
+        inner.config.boundary_threshold = state["threshold"]
+
+
+def due(args: argparse.Namespace, step: int, train_seconds: float, next_eval: float) -> bool:
+    """Whether an evaluation is due after `step`: every --eval-every-steps steps when given, else every
+    --eval-every-minutes of training."""
+    if args.eval_every_steps:
+        return step % args.eval_every_steps == 0
+    return train_seconds >= next_eval
+
+
+def train(model: nn.Module, tokenizer, data: TrainBatches, texts: dict, run: Run, setup: dict) -> int:
+    """Train until the time budget, --max-steps or the data run out, evaluating and checkpointing on
+    schedule; `setup`: the RatioHold (or None), the teacher (or None), the resumed state (or None).
+    Returns the number of steps."""
+    args, hold, teacher, state = run.args, setup["hold"], setup["teacher"], setup["state"]
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = torch.optim.lr_scheduler.LambdaLR(
+    schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps)
     )
-    budget, every, step = 60 * args.minutes, 60 * args.eval_every_minutes, 0
-    next_eval = every
+    step, next_eval, next_save = 0, 60 * args.eval_every_minutes, 60 * args.checkpoint_every_minutes
+    if state is not None:
+        restore(model, state, optimizer, schedule)
+        step, next_eval, next_save = state["step"], state["next_eval"], state["next_save"]
+    checkpoint = Checkpoint(args.checkpoint)
     model.train()
-    while run.train_seconds < budget and (args.max_steps is None or step < args.max_steps):
+    while run.train_seconds < 60 * args.minutes and (args.max_steps is None or step < args.max_steps):
         batch = data.next_batch()
         if batch is None:
             print("[train] the train split is used up", flush=True)
             break
         began = time.perf_counter()
-        figures = training_step(model, optimizer, batch)
+        figures = training_step(model, optimizer, batch, teacher, args)
         if hold is not None:
             figures["threshold"] = hold.update()
-        warmup.step()
+        schedule.step()
         step += 1
-        seconds = time.perf_counter() - began
-        run.train_seconds += seconds
-        run.record["steps"].append({"step": step, "seconds": round(seconds, 2), **figures})
-        print(
-            f"[train] step {step} loss {figures['loss']:.4f} lm {figures.get('lm_loss', math.nan):.4f} "
-            f"ratio {figures.get('compression_ratio', math.nan):.2f} grad {figures['grad_norm']:.2f} "
-            f"{seconds:.1f} s",
-            flush=True,
-        )
-        if run.train_seconds >= next_eval:
+        run.log_step(step, time.perf_counter() - began, figures)
+        if due(args, step, run.train_seconds, next_eval):
             run.evaluate(model, tokenizer, texts, step, data.tokens)
-            next_eval += every
+            next_eval += 60 * args.eval_every_minutes
             model.train()
+        if run.train_seconds >= next_save:
+            next_save += 60 * args.checkpoint_every_minutes
+            threshold = concept_model(model).config.boundary_threshold
+            saved = dict(step=step, next_eval=next_eval, next_save=next_save, train_seconds=run.train_seconds)
+            saved.update(
+                optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), threshold=threshold
+            )
+            checkpoint.save(model, {**saved, "data": data.position(), "record": run.record})
     return step
 
 
@@ -444,35 +636,17 @@ def main(argv: list[str] | None = None) -> dict:
         return recover(source, corpus, scratch, run)
 
 
-def recover(source: Path, corpus: Path, scratch: Path, run: Run) -> dict:
-    """Evaluate the source, convert, train, evaluate; `run.record` filled and returned."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    args = run.args
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    splits = load_saved_dataset(corpus)
-    texts = {split: heldout_texts(splits[split], args.eval_bytes) for split in args.eval_splits}
-    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+def begin(original: nn.Module, tokenizer, texts: dict, run: Run) -> None:
+    """A new run's source figures and answers."""
     for split, cells in texts.items():
-        run.record["source"][split] = evaluate(original, tokenizer, cells, args)
+        run.record["source"][split] = evaluate(original, tokenizer, cells, run.args)
         print(f"[source] {split}: {run.record['source'][split]['bits_per_byte']:.4f} bits/byte", flush=True)
-    run.record["answers"]["source"] = answers(original, tokenizer, args.answer_tokens)
-    del original
-    model = converted_model(source, scratch / "converted", args)
-    run.record["answers"]["before"] = answers(model, tokenizer, args.answer_tokens)
-    model = prepare_training(model, args.train, args.lora_rank)
-    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
-    run.record["trainable_parameters"] = sum(count for count, trains in counts if trains)
-    run.record["parameters"] = sum(count for count, _ in counts)
-    print(
-        f"[setup] --train {args.train}: {run.record['trainable_parameters']:,} of "
-        f"{run.record['parameters']:,} parameters train, lr {args.lr}",
-        flush=True,
-    )
-    run.evaluate(model, tokenizer, texts, 0, 0)
-    data = TrainBatches(splits["train"], tokenizer, args.context, args.batch_size)
-    hold = RatioHold(model, args.ratio) if args.hold_ratio else None
-    steps = train(model, tokenizer, data, texts, run, hold)
+    run.record["answers"]["source"] = answers(original, tokenizer, run.args.answer_tokens)
+
+
+def finish(model: nn.Module, tokenizer, run: Run, hold: RatioHold | None, data: TrainBatches, texts, steps):
+    """The last evaluation, the threshold calibration (--hold-ratio), the answers and the save."""
+    args = run.args
     if not run.record["curve"] or run.record["curve"][-1]["step"] != steps:
         run.evaluate(model, tokenizer, texts, steps, data.tokens)
     if hold is not None:
@@ -490,6 +664,44 @@ def recover(source: Path, corpus: Path, scratch: Path, run: Run) -> dict:
             print(f"  {key + ':':<8}{replies[key][index]!r}", flush=True)
     if args.save:
         save_model(model, tokenizer, Path(args.save))
+
+
+def recover(source: Path, corpus: Path, scratch: Path, run: Run) -> dict:
+    """Evaluate the source, convert, train (resuming from --checkpoint), evaluate; `run.record` filled
+    and returned."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = run.args
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    splits = load_saved_dataset(corpus)
+    texts = {split: heldout_texts(splits[split], args.eval_bytes) for split in args.eval_splits}
+    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    state = Checkpoint(args.checkpoint).load(args)
+    if state is None:
+        begin(original, tokenizer, texts, run)
+    else:
+        run.record, run.train_seconds = state["record"], state["train_seconds"]
+    model = converted_model(source, scratch / "converted", args)
+    if state is None:
+        run.record["answers"]["before"] = answers(model, tokenizer, args.answer_tokens)
+    model = prepare_training(model, args.train, args.lora_rank)
+    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    run.record["trainable_parameters"] = sum(count for count, trains in counts if trains)
+    run.record["parameters"] = sum(count for count, _ in counts)
+    print(
+        f"[setup] --train {args.train}: {run.record['trainable_parameters']:,} of "
+        f"{run.record['parameters']:,} parameters train, lr {args.lr}",
+        flush=True,
+    )
+    if state is None:
+        run.evaluate(model, tokenizer, texts, 0, 0)
+    data = TrainBatches(splits["train"], tokenizer, args.context, args.batch_size)
+    if state is not None:
+        data.skip_to(state["data"])
+    hold = RatioHold(model, args.ratio) if args.hold_ratio else None
+    teacher = original.requires_grad_(False) if args.distill else None
+    steps = train(model, tokenizer, data, texts, run, {"hold": hold, "teacher": teacher, "state": state})
+    finish(model, tokenizer, run, hold, data, texts, steps)
     return run.record
 
 

@@ -644,3 +644,18 @@ def test_converted_model_trains_and_its_compression_moves_toward_the_target(tmp_
     assert len(logged) == 6
     assert all({"lm_loss", "aux_loss", "compression_ratio"} <= set(row) for row in logged)
     assert logged[-1]["loss"] < logged[0]["loss"]
+
+
+@pytest.mark.parametrize(("rank_window", "ratio"), [(64, 2.0), (16, 1.5), (0, 2.0)])
+def test_dynamic_conversion_decides_on_local_ranks(rank_window, ratio):
+    """Dynamic chunking converts with rank decisions by default: the window, the threshold 1 − 1/R that
+    opens one token in R, and no decision noise; a window of 0 keeps one threshold on the probabilities."""
+    options = dict(joint_decoding_layers=None, concept_loop=None, experts_per_token=None, router="cosine")
+    options.update(router_init="random", pooling="first", encoder_layers=1, decoder_layers=1)
+    options.update(chunking="dynamic", compression_ratio=ratio, rank_window=rank_window)
+    config = conceptmoe_config_from_source(LlamaConfig(**TINY_LLAMA), **options)
+    if rank_window:
+        assert config.boundary_rank_window == rank_window and config.boundary_noise == "none"
+        assert config.boundary_threshold == pytest.approx(1 - 1 / ratio)
+    else:
+        assert config.boundary_rank_window is None and config.boundary_threshold == 0.5

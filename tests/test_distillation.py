@@ -24,6 +24,7 @@ from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from hf_concept.training.data import data_collator
 from hf_concept.training.distillation import (
     DistillationTrainer,
+    alignment_pairs,
     distillation_kl,
     hidden_alignment,
     label_positions,
@@ -234,7 +235,8 @@ def other_source(root: Path, folder: Path, vocab_size: int = 97, words: tuple[st
         ("vocabulary", "its vocabulary has 101 ids and the model's 97"),
         ("tokenizer", "its tokenizer differs from the model's"),
         ("no source", "--distill-temperature and --align-hidden go with --distill-from SOURCE"),
-        ("temperature", "--distill-temperature 0.0 must be a positive number"),
+        ("temperature", "--distill-temperature 0.0 must be a positive finite number"),
+        ("infinite temperature", "--distill-temperature inf must be a positive finite number"),
     ],
 )
 def test_a_source_that_cannot_teach_is_refused_in_one_line(distill_workspace, tmp_path, capsys, case, named):
@@ -245,6 +247,7 @@ def test_a_source_that_cannot_teach_is_refused_in_one_line(distill_workspace, tm
         "tokenizer": lambda: ["--distill-from", other_source(root, tmp_path / "src", words=("zebra",))],
         "no source": lambda: ["--align-hidden", "0.5"],
         "temperature": lambda: ["--distill-from", root / "source", "--distill-temperature", "0"],
+        "infinite temperature": lambda: ["--distill-from", root / "source", "--distill-temperature", "inf"],
     }[case]()
     capsys.readouterr()
     assert run_train(*argv, *extra) == 2
@@ -330,3 +333,27 @@ def test_two_processes_distil_with_the_step_shares_and_end_identical(distill_wor
         assert entry["distill_loss"] > 0 and entry["loss"] == pytest.approx(total, abs=1e-4), entry
     for name, value in ranks[0]["parameters"].items():
         assert torch.equal(value, ranks[1]["parameters"][name]), name
+
+
+def test_hidden_alignment_pairs_the_decoder_layers_with_the_source_layers_they_copy(tmp_path):
+    """An exact conversion (fixed chunks of one token, the concept stage a pass-through of the source's
+    middle layers) gives each paired state exactly the source's: every pair aligns to 0 at step 0, and a
+    pair shifted by one layer does not, so the map is what makes the term small."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path / "source")
+    convert_to_conceptmoe(
+        tmp_path / "source", tmp_path / "exact", encoder_layers=1, decoder_layers=2, chunking="fixed",
+        compression_ratio=1,
+    )  # fmt: skip
+    teacher = LlamaForCausalLM.from_pretrained(tmp_path / "source").eval()
+    student = ConceptMoEForCausalLM.from_pretrained(tmp_path / "exact").eval()
+    ids = torch.randint(3, TINY_LLAMA["vocab_size"], (2, 12))
+    with torch.no_grad():
+        ours = student(input_ids=ids, output_hidden_states=True).hidden_states
+        theirs = teacher(input_ids=ids, output_hidden_states=True).hidden_states
+    pairs = alignment_pairs(student.config, len(theirs) - 1)
+    assert pairs == [(3, 3), (4, 4)]  # embeddings, 1 encoder layer, 1 concept pass; source layers 2 and 3
+    everywhere = torch.ones(2, 12, dtype=torch.bool)
+    for mine, source in pairs:
+        assert float(hidden_alignment(ours[mine], theirs[source], everywhere)) < 1e-5
+    assert float(hidden_alignment(ours[3], theirs[2], everywhere)) > 1e-3

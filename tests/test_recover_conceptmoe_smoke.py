@@ -84,3 +84,25 @@ def test_quick_run_holds_the_ratio_by_the_threshold(tmp_path):
     assert record["threshold"] == thresholds[-1]
     # The saved threshold comes from a larger sample after training, then one more evaluation.
     assert 0.0 <= record["calibrated_threshold"] <= 1.0 and record["curve"][-1]["calibrated"]
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_where_its_checkpoint_stands(tmp_path):
+    """A run stopped after 2 steps and started again with the same arguments (a larger --max-steps) goes
+    on from its checkpoint: steps 3 and 4 equal those of a run never stopped, distillation, alignment,
+    held ratio and rank decisions included, and per-cell tokens per concept are reported."""
+    script = load_benchmark("recover_conceptmoe")
+    common = ["--quick", "--train", "new", "--hold-ratio", "--distill", "--align-hidden", "1"]
+    common += ["--checkpoint-every-minutes", "0.00001"]
+    whole = script.main([*common, "--max-steps", "4", "--checkpoint", str(tmp_path / "whole")])
+    script.main([*common, "--max-steps", "2", "--checkpoint", str(tmp_path / "cut")])
+    resumed = script.main([*common, "--max-steps", "4", "--checkpoint", str(tmp_path / "cut")])
+    assert [entry["step"] for entry in resumed["steps"]] == [1, 2, 3, 4]
+    for key in ("loss", "lm_loss", "distill_loss", "align_loss", "threshold"):
+        assert [entry[key] for entry in resumed["steps"]] == pytest.approx(
+            [entry[key] for entry in whole["steps"]], rel=1e-5
+        ), key
+    cells = resumed["curve"][-1]["held_out"]["cell_tokens_per_concept"]
+    assert set(cells) == set(resumed["source"]["held_out"]["cells"])
+    with pytest.raises(SystemExit, match="other arguments"):
+        script.main([*common, "--max-steps", "4", "--lr", "0.5", "--checkpoint", str(tmp_path / "cut")])

@@ -63,6 +63,7 @@ CONCEPT_CODE = (
     "concept_chunking.py",
     "concept_cache.py",
     "concept_config.py",
+    "concept_ranking.py",
     "concept_stack.py",
     "concept_views.py",
     "modeling_plain.py",
@@ -210,6 +211,14 @@ def _conceptmoe_concept_topk_config(**overrides: Any):
     return _conceptmoe_config(**values)
 
 
+def _conceptmoe_rank_window_config(**overrides: Any):
+    # Decisions on local ranks (`concept_ranking`): a window shorter than the test sequences, so that the
+    # cache carries a full window; "mean" pooling keeps an open chunk in the state as well.
+    values = dict(pooling="mean", boundary_rank_window=4, boundary_noise="gaussian")
+    values.update(overrides)
+    return _conceptmoe_config(**values)
+
+
 def _conceptmoe_class() -> type:
     from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
@@ -342,6 +351,12 @@ def _dlcm_rule_mup_config(**overrides: Any):
     return _dlcm_config(**values)
 
 
+def _dlcm_rank_window_config(**overrides: Any):
+    values = dict(boundary_rank_window=3, boundary_noise="none")
+    values.update(overrides)
+    return _dlcm_config(**values)
+
+
 def _dlcm_class() -> type:
     from hf_concept.modeling.modeling_dlcm import DLCMForCausalLM
 
@@ -449,6 +464,20 @@ FAMILIES: list[FamilySpec] = [
         logged_metrics=CONCEPT_METRICS,
     ),
     FamilySpec(
+        name="conceptmoe-rank-window",
+        make_config=_conceptmoe_rank_window_config,
+        model_class=_conceptmoe_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=CONCEPTMOE_CODE,
+        invalid_values=(
+            ("boundary_rank_window", 1),
+            ("boundary_rank_window", 4.5),
+            ("boundary_noise", "bernoulli"),
+        ),
+        force_boundaries=_fixed_chunks,
+        logged_metrics=CONCEPT_METRICS,
+    ),
+    FamilySpec(
         name="hidden-decoding",
         make_config=_hidden_decoding_config,
         model_class=_hidden_decoding_class,
@@ -492,6 +521,16 @@ FAMILIES: list[FamilySpec] = [
             ("cross_head_dim", 7),
             ("smoothing", "mean"),
         ),
+        force_boundaries=_fixed_chunks,
+        logged_metrics=CONCEPT_METRICS,
+    ),
+    FamilySpec(
+        name="dlcm-rank-window",
+        make_config=_dlcm_rank_window_config,
+        model_class=_dlcm_class,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        remote_code_files=DLCM_CODE,
+        invalid_values=(("boundary_rank_window", 0), ("router", "rule")),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,
     ),

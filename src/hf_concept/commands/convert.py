@@ -91,6 +91,15 @@ def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
     parser.add_argument("--router", choices=("cosine", "linear"), default="cosine")
     parser.add_argument("--router-init", choices=("random", "identity"), default="random")
     parser.add_argument("--pooling", choices=("first", "sum", "mean"), default="first")
+    parser.add_argument(
+        "--rank-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="Dynamic chunking decides on each router probability's rank among the last W tokens of its "
+        "document, so every language gets about one concept per R tokens (default: the converter's, 64; "
+        "0: one threshold on the probabilities for every text).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the chunk module's random init.")
     _add_output_flags(parser)
     parser.set_defaults(convert=_convert_conceptmoe)
@@ -210,6 +219,7 @@ def _convert_conceptmoe(args: argparse.Namespace) -> Path:
         router=args.router,
         router_init=args.router_init,
         pooling=args.pooling,
+        **({} if args.rank_window is None else {"rank_window": args.rank_window}),
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,

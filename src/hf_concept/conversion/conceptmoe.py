@@ -47,6 +47,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _SOURCE_LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.+)$")
 _JOINT_PROJECTOR = re.compile(r"\.self_attn\.concept_[qkv]_proj\.weight$")
 _JOINT_NORM = re.compile(r"\.self_attn\.concept_norm\.weight$")
+# Learned boundaries decide on each probability's rank among the last 64 tokens of its document: long
+# enough that a text of a few sentences gets one concept per R tokens, short enough that a prompt does.
+DEFAULT_RANK_WINDOW = 64
 
 
 def _model_classes():
@@ -84,7 +87,7 @@ def _check_layer_split(encoder_layers: Any, decoder_layers: Any, total: int) -> 
 def conceptmoe_config_from_source(source_config, **options: Any):
     """A ConceptMoEConfig with the source's backbone fields and the conversion `options`
     (encoder_layers, decoder_layers, compression_ratio, chunking, joint_decoding_layers, concept_loop,
-    experts_per_token, router, router_init, pooling)."""
+    experts_per_token, router, router_init, pooling, rank_window)."""
     from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 
     plain = plain_config_from_source(source_config)
@@ -103,6 +106,11 @@ def conceptmoe_config_from_source(source_config, **options: Any):
         # decoder keep the source's top-k.
         fields["concept_num_experts_per_tok"] = experts_per_token
     loop = options.pop("concept_loop")
+    window = options.pop("rank_window", None)
+    if window:
+        # A window longer than the longest sequence ranks within the whole sequence: the same decisions.
+        window = min(window, fields["max_position_embeddings"])
+    fields.update(rank_window_fields(window, options["chunking"], options["compression_ratio"]))
     if options["router_init"] == "identity" and options["router"] != "cosine":
         raise ValueError(f"router_init='identity' needs router='cosine', got router={options['router']!r}")
     return ConceptMoEConfig(
@@ -111,6 +119,19 @@ def conceptmoe_config_from_source(source_config, **options: Any):
         concept_loop=list(loop) if isinstance(loop, tuple | list) else loop,
         dechunk_residual="delta",
     )
+
+
+def rank_window_fields(rank_window: int | None, chunking: str, compression_ratio: float) -> dict[str, Any]:
+    """The config fields of learned boundaries decided on local ranks (`concept_ranking`): the window, the
+    threshold 1 − 1/R at which about one token in R opens a concept in every text, and no decision noise
+    (training decides as inference does). Empty for fixed chunking or `rank_window` None / 0."""
+    if not rank_window or chunking != "dynamic":
+        return {}
+    return {
+        "boundary_rank_window": rank_window,
+        "boundary_threshold": 1.0 - 1.0 / compression_ratio,
+        "boundary_noise": "none",
+    }
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -246,6 +267,7 @@ def convert_to_conceptmoe(
     router: str = "cosine",
     router_init: str = "random",
     pooling: str = "first",
+    rank_window: int | None = DEFAULT_RANK_WINDOW,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
@@ -256,11 +278,13 @@ def convert_to_conceptmoe(
     """Convert the source checkpoint folder `src` into a ConceptMoE checkpoint folder `dst`; returns `dst`.
 
     Options are ConceptMoEConfig fields (`concept_loop` = (start, end, extra passes)); `experts_per_token`
-    changes a MoE source's top-k; `dtype` defaults to the source's; `base_model` names the source in the
-    model card (default: the `src` path). Raises ValueError, with `dst` left untouched, for an unsupported
-    model_type, a bad option, missing/corrupt shards, NaN/inf weights, shape mismatches, `.bin` weights
-    without `allow_pickle=True`, a `dst` that is, contains or lies inside `src` (even with
-    `overwrite=True`), or an existing non-empty `dst` without `overwrite=True`.
+    changes a MoE source's top-k; `rank_window` is `boundary_rank_window` for dynamic chunking (None or
+    0: decisions on the probabilities, one threshold for every text; `rank_window_fields`); `dtype`
+    defaults to the source's; `base_model` names the source in the model card (default: the `src` path).
+    Raises ValueError, with `dst` left untouched, for an unsupported model_type, a bad option,
+    missing/corrupt shards, NaN/inf weights, shape mismatches, `.bin` weights without
+    `allow_pickle=True`, a `dst` that is, contains or lies inside `src` (even with `overwrite=True`), or an
+    existing non-empty `dst` without `overwrite=True`.
     """
     src = Path(src)
     dst = check_destination(dst, overwrite, source=src)
@@ -278,6 +302,7 @@ def convert_to_conceptmoe(
         router=router,
         router_init=router_init,
         pooling=pooling,
+        rank_window=rank_window,
     )
     dtype = resolve_dtype(dtype, source_config)
     check_safetensors_files(src)

@@ -53,6 +53,9 @@ class ConceptState:
     positions of the row's current document carried it.
     last_concept (B, Dc), last_concept_document (B,): DLCM's smoothing — the row's latest concept (after
     smoothing under "ema", before it under "linear") and its document (-1: none).
+    recent_probs (B, W − 1), recent_documents (B, W − 1): the router probabilities of the row's last
+    W − 1 positions and their documents (-1: not a free token), for `boundary_rank_window` = W
+    (`concept_ranking`); no columns without it.
     """
 
     previous_key: torch.Tensor
@@ -72,6 +75,8 @@ class ConceptState:
     read_counts: torch.Tensor
     last_concept: torch.Tensor
     last_concept_document: torch.Tensor
+    recent_probs: torch.Tensor
+    recent_documents: torch.Tensor
 
     @classmethod
     def empty(
@@ -82,12 +87,15 @@ class ConceptState:
         device: torch.device,
         dtype: torch.dtype,
         concept_width: int | None = None,
+        rank_window: int | None = None,
     ) -> ConceptState:
         def zeros(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(*shape, device=device, dtype=kind)
 
         def flags() -> torch.Tensor:
             return torch.zeros(batch_size, device=device, dtype=torch.bool)
+
+        history = max((rank_window or 1) - 1, 0)
 
         return cls(
             previous_key=zeros(batch_size, key_width),
@@ -108,6 +116,9 @@ class ConceptState:
             read_counts=zeros(batch_size, 0, kind=torch.long),
             last_concept=zeros(batch_size, width if concept_width is None else concept_width),
             last_concept_document=torch.full((batch_size,), -1, device=device, dtype=torch.long),
+            # Probabilities are compared in the router's dtype (float32 at least), as they are computed.
+            recent_probs=zeros(batch_size, history, kind=torch.promote_types(dtype, torch.float32)),
+            recent_documents=torch.full((batch_size, history), -1, device=device, dtype=torch.long),
         )
 
     def tensors(self) -> list[torch.Tensor]:

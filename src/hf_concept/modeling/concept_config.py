@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from .configuration_plain import PlainDecoderConfig, _check_number, _is_number
+from .configuration_plain import PlainDecoderConfig, _check_number, _is_int, _is_number
 from .transformers_compat import CACHE_KEYS
 
 CHUNKING_KINDS = ("dynamic", "fixed")
@@ -23,7 +23,15 @@ RATIO_SCOPES = ("global", "batch", "sequence")
 
 class ConceptConfig(PlainDecoderConfig):
     """Fields and checks of a concept-level config; a family's config sets `auto_model_entry`, the
-    "module.Class" of its `AutoModel` entry in `auto_map`."""
+    "module.Class" of its `AutoModel` entry in `auto_map`.
+
+    `boundary_rank_window` (default None): W > 1 makes the learned router's decisions read each
+    probability's rank among its document's last W tokens instead of the probability itself
+    (`concept_ranking`): `boundary_threshold` = 1 − 1/R then opens about one concept per R tokens in every
+    text of W tokens or more, whatever its language, where one threshold on the probabilities spends the
+    ratio unevenly over a mix. Needs `chunking="dynamic"`, a learned router (not DLCM's "rule") and
+    `boundary_noise` "none" or "gaussian" (a Bernoulli draw of a rank would open one token in two).
+    """
 
     auto_model_entry: ClassVar[str]
     keys_to_ignore_at_inference: ClassVar[list[str]] = [
@@ -45,6 +53,7 @@ class ConceptConfig(PlainDecoderConfig):
     boundary_tau: float = 6.0
     boundary_sigma: float = 0.1
     boundary_threshold: float = 0.5
+    boundary_rank_window: int | None = None
     concept_hidden_size: int | None = None
     concept_num_attention_heads: int | None = None
     concept_num_key_value_heads: int | None = None
@@ -88,3 +97,27 @@ class ConceptConfig(PlainDecoderConfig):
         _check_number("boundary_tau", self.boundary_tau, 0, brackets="(]")
         _check_number("boundary_sigma", self.boundary_sigma)
         _check_number("aux_loss_weight", self.aux_loss_weight)
+        self._check_rank_window()
+
+    def _check_rank_window(self) -> None:
+        window = self.boundary_rank_window
+        if window is None:
+            return
+        limit = self.max_position_embeddings
+        if not (_is_int(window) and 2 <= window <= limit):
+            raise ValueError(
+                f"boundary_rank_window={window!r} must be None or an integer in [2, "
+                f"max_position_embeddings={limit}]"
+            )
+        clash = {
+            "chunking": (self.chunking, "fixed"),
+            "router": (getattr(self, "router", None), "rule"),
+            "boundary_noise": (self.boundary_noise, "bernoulli"),
+        }
+        for name, (value, refused) in clash.items():
+            if value == refused:
+                raise ValueError(
+                    f"boundary_rank_window={window} ranks a learned router's probabilities: it needs "
+                    f"{name} other than {refused!r} (boundary_noise 'none' or 'gaussian', chunking "
+                    "'dynamic', a learned router)"
+                )

@@ -27,6 +27,7 @@ from transformers.utils import logging
 from .causal_lm import CausalLMMixin
 from .concept_cache import ConceptCache, ConceptState
 from .concept_chunking import fixed_boundaries
+from .concept_ranking import local_rank_scores, recent_after
 from .forward_only_cache import adopt_cache
 from .layers import default_position_ids
 from .loss_terms import LOSS_IN_FORWARD, TRAINERS, warn_loss_terms_dropped
@@ -79,6 +80,20 @@ class TokenStep:
     starts: torch.Tensor
     masks: dict[str, Any]
     layer_kwargs: dict[str, Any]
+
+
+@dataclass
+class RouterPass:
+    """One call's boundaries: (B, L) probabilities (with gradient), the (B, L) scores the decisions read
+    (the probabilities, or their local ranks under `boundary_rank_window`, `concept_ranking`), the (B, L)
+    bool boundaries, the (B, L, Dk) router keys (None without a cosine or rule router) and each row's
+    recent window after the call (None without `boundary_rank_window`)."""
+
+    probs: torch.Tensor
+    scores: torch.Tensor
+    opens: torch.Tensor
+    keys: torch.Tensor | None
+    recent: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def new_concept_cache(
@@ -166,32 +181,56 @@ class ConceptStackMixin:
         starts: torch.Tensor,
         position_ids: torch.Tensor,
         state: ConceptState,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(B, L) probabilities, (B, L) bool boundaries and the (B, L, D) router keys (or None)."""
+    ) -> RouterPass:
+        """The call's probabilities, decision scores, boundaries, router keys and recent window."""
         config = self.config
         if config.chunking == "fixed":
             opens = fixed_boundaries(position_ids, starts, mask, int(config.compression_ratio))
-            return opens.to(torch.float32), opens, None
+            probs = opens.to(torch.float32)
+            return RouterPass(probs, probs, opens, None, None)
         past_keys = state.previous_key if config.router in ("cosine", "rule") else None
         probs, keys = self.chunker(token_states, starts, mask, past_keys=past_keys)
+        scores, recent = self.decision_scores(probs, starts, mask, state)
 
         def draw() -> torch.Tensor:
             if config.router == "rule":
                 # DLCM §8.1: a fixed threshold on the dissimilarity, no sampling.
                 return (rule_boundaries(probs, config.rule_threshold) | starts) & mask
-            return self.decide_boundaries(probs, starts, mask, self.training)
+            return self.decide_boundaries(scores, starts, mask, self.training)
 
         # A planned optimizer step (ratio_step.plan_ratio_step) replays the decisions it counted.
         accumulator = self.ratio_accumulator if self.training else None
-        return probs, draw() if accumulator is None else accumulator.decide(probs, mask, draw), keys
+        opens = draw() if accumulator is None else accumulator.decide(probs, mask, draw)
+        return RouterPass(probs, scores, opens, keys, recent)
+
+    def decision_scores(
+        self, probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, state: ConceptState
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(B, L) what the learned router's decisions threshold — `probs`, or under `boundary_rank_window`
+        their local ranks (`concept_ranking`) — and the rows' recent window after the call (or None)."""
+        if not getattr(self.config, "boundary_rank_window", None):
+            return probs, None
+        documents = (state.document[:, None] + torch.cumsum(starts.long(), dim=1)).masked_fill(~mask, -1)
+        arguments = (probs, starts, mask, documents, state.recent_probs, state.recent_documents)
+        return local_rank_scores(*arguments), recent_after(*arguments)
+
+    @staticmethod
+    def remember_recent(
+        state: ConceptState, recent: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> ConceptState:
+        """`state` with the recent window of the call (`RouterPass.recent`), when there is one."""
+        if recent is not None:
+            state.recent_probs, state.recent_documents = recent
+        return state
 
     def decide_boundaries(
-        self, probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, training: bool
+        self, scores: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, training: bool
     ) -> torch.Tensor:
-        """The learned router's decisions with the config's noise: sampled in training, else thresholded."""
+        """The learned router's decisions on its `decision_scores` with the config's noise: sampled in
+        training, else thresholded."""
         config = self.config
         return boundary_decisions(
-            probs,
+            scores,
             starts,
             mask,
             noise=config.boundary_noise,
@@ -234,8 +273,9 @@ class ConceptStackMixin:
             return cache.state
         batch_size, _, width = token_states.shape
         concept_width = getattr(self.config, "concept_hidden_size", None)
+        rank_window = getattr(self.config, "boundary_rank_window", None)
         return ConceptState.empty(
-            batch_size, width, width, token_states.device, token_states.dtype, concept_width
+            batch_size, width, width, token_states.device, token_states.dtype, concept_width, rank_window
         )
 
     def run_concept_layers(
@@ -312,6 +352,9 @@ class ConceptModelOutput(ModelOutput):
     transformers' split of a verification pass cuts each token's last dim at its key count (p + 1 at
     position p), which keeps every slot its row can use: a concept emitted at p has slot index <= p, and
     the concepts DLCM's token p reads were closed by openings <= p, so 1 + their index <= p + 1.
+
+    `boundary_scores` (B, L): what the learned router's decisions thresholded, the local ranks of
+    `boundary_probs` under `boundary_rank_window` (`concept_ranking`); None where they are the probabilities.
     """
 
     last_hidden_state: torch.Tensor | None = None
@@ -322,6 +365,7 @@ class ConceptModelOutput(ModelOutput):
     boundaries: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None
     document_starts: torch.Tensor | None = None
+    boundary_scores: torch.Tensor | None = None
 
 
 @cache_field
@@ -344,6 +388,11 @@ class ConceptCausalLMOutput(ModelOutput):
     inference_compression_ratio: torch.Tensor | None = None
     sampled_compression_ratio: torch.Tensor | None = None
     boundary_prob_mean: torch.Tensor | None = None
+
+
+def decision_scores_of(outputs: ConceptModelOutput) -> torch.Tensor:
+    """(B, L) the scores the pass's decisions read: `boundary_scores`, or the probabilities."""
+    return outputs.boundary_probs if outputs.boundary_scores is None else outputs.boundary_scores
 
 
 class ConceptCausalLMMixin(CausalLMMixin):
@@ -433,7 +482,7 @@ class ConceptCausalLMMixin(CausalLMMixin):
         if not self.training or config.chunking == "fixed" or config.router == "rule":
             return outputs.boundaries
         return self.model.decide_boundaries(
-            outputs.boundary_probs, outputs.document_starts, outputs.token_mask, training=False
+            decision_scores_of(outputs), outputs.document_starts, outputs.token_mask, training=False
         )
 
     @torch.no_grad()
@@ -444,7 +493,7 @@ class ConceptCausalLMMixin(CausalLMMixin):
         if config.chunking == "fixed" or config.router == "rule":
             return (outputs.boundaries & outputs.token_mask).float()
         return expected_boundaries(
-            outputs.boundary_probs,
+            decision_scores_of(outputs),
             outputs.document_starts,
             outputs.token_mask,
             noise=config.boundary_noise,

@@ -156,6 +156,7 @@ class _Step:
 
     token_concepts: torch.Tensor
     probs: torch.Tensor
+    scores: torch.Tensor | None
     boundaries: torch.Tensor
     state: ConceptState
     # (B, L) the new concept each token emits (-1: none) and, with output_hidden_states, each concept
@@ -298,6 +299,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
             boundaries=step.boundaries,
             token_mask=mask,
             document_starts=starts,
+            boundary_scores=step.scores,
         )
         return output.to_tuple() if return_dict is False else output
 
@@ -335,7 +337,8 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         """Boundaries, new concepts, concept model, EMA and each token's readable concept; with
         `keep_states` also each concept pass's (B, L, Dc) token view (`concept_views`)."""
         pooling = self.config.pooling
-        probs, opens, keys = self.boundaries(token_states, mask, starts, position_ids, state)
+        router = self.boundaries(token_states, mask, starts, position_ids, state)
+        probs, opens = router.probs, router.opens
         documents = state.document[:, None] + torch.cumsum(starts.long(), dim=1)  # (B, L)
         documents = documents.masked_fill(~mask, -1)
         emitted = emit_concepts(
@@ -348,11 +351,15 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         smoothed = probability_smoothing(
             concepts, emitted.probs, emitted.valid, state.last_ema, state.has_ema
         )
-        token_concepts, new_state = self.read_concepts(smoothed, emitted, mask, opens, state, keys, documents)
+        token_concepts, new_state = self.read_concepts(
+            smoothed, emitted, mask, opens, state, router.keys, documents
+        )
+        new_state = self.remember_recent(new_state, router.recent)
         passes = len(self.concept_layer_schedule())
         concept_width = self.config.concept_width
         pass_states = [] if views is None else views.states(passes, token_states, concept_width)
-        return _Step(token_concepts, probs, opens, new_state, emission, pass_states)
+        scores = None if router.scores is probs else router.scores
+        return _Step(token_concepts, probs, scores, opens, new_state, emission, pass_states)
 
     def run_concept_model(
         self, emitted: EmittedConcepts, cache: ConceptCache | None, views: ConceptPassViews | None = None

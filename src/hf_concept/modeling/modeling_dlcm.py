@@ -60,6 +60,7 @@ from .concept_stack import (
     ConceptCausalLMMixin,
     ConceptModelOutput,
     ConceptStackMixin,
+    RouterPass,
     TokenStep,
     new_concept_cache,
 )
@@ -395,7 +396,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         )
         all_states = [step_in.inputs_embeds]
         with recording_attentions(self, recorder):
-            probs, opens, emission = self.run_stages(step_in, all_states, keep_states)
+            router, emission = self.run_stages(step_in, all_states, keep_states)
         all_states[-1] = self.norm(all_states[-1])
         attentions = None
         if recorder is not None:
@@ -406,20 +407,21 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             cache=step_in.cache,
             hidden_states=tuple(all_states) if keep_states else None,
             attentions=attentions,
-            boundary_probs=probs,
-            boundaries=opens,
+            boundary_probs=router.probs,
+            boundaries=router.opens,
             token_mask=step_in.mask,
             document_starts=step_in.starts,
+            boundary_scores=None if router.scores is router.probs else router.scores,
         )
         return output.to_tuple() if return_dict is False else output
 
     def run_stages(
         self, step_in: TokenStep, all_states: list[torch.Tensor], keep_states: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[RouterPass, torch.Tensor]:
         """Encoder, boundaries, concept model and decoder over one call; appends each layer's output to
         `all_states` (the last one before the final norm; concept layers as (B, L, Dc) token views when
-        `keep_states`, `concept_views`) and returns the (B, L) probabilities, boundaries and the new
-        concept each token emits (-1: none)."""
+        `keep_states`, `concept_views`) and returns the call's `RouterPass` and the new concept each token
+        emits, (B, L) (-1: none)."""
         cache, position_ids = step_in.cache, step_in.position_ids
         mask, starts, masks, layer_kwargs = step_in.mask, step_in.starts, step_in.masks, step_in.layer_kwargs
         token_states = step_in.inputs_embeds
@@ -427,7 +429,8 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             token_states, _ = layer(token_states, attention_mask=masks[layer.attention_type], **layer_kwargs)
             all_states.append(token_states)
         state = self.state_of(cache, token_states)
-        probs, opens, keys = self.boundaries(token_states, mask, starts, position_ids, state)
+        router = self.boundaries(token_states, mask, starts, position_ids, state)
+        probs, opens = router.probs, router.opens
         documents = (state.document[:, None] + torch.cumsum(starts.long(), dim=1)).masked_fill(~mask, -1)
         smoothing_probs = self.smoothing_probs(probs)
         emitted = emit_concepts(
@@ -443,7 +446,8 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
         reading, new_state = self.read_concepts(
             emitted, opens, mask, starts, slots_before, new_state, cache, at_last
         )
-        new_state = self.remember_router(new_state, keys, documents, state, at_last)
+        new_state = self.remember_router(new_state, router.keys, documents, state, at_last)
+        new_state = self.remember_recent(new_state, router.recent)
         # (B, L) or None; handed to each decoder layer positionally (see DLCMDecoderLayer.forward).
         confidence = None
         if self.config.smoothing == "ema" and torch.is_grad_enabled():
@@ -462,7 +466,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
                 **layer_kwargs,
             )
             all_states.append(token_states)
-        return probs, opens, emission
+        return router, emission
 
     def concept_model(
         self,

@@ -8,14 +8,17 @@ next-token distribution gives a whole distribution. `DistillationTrainer` adds t
 - `distillation_kl`: T² · KL(teacher ‖ student) of the temperature-T distributions at every label
   position, summed and divided by the step's label count (a share, as the LM loss is);
 - `hidden_alignment` (weight `align_hidden`, off by default): 1 − cosine similarity of the student's and
-  the teacher's last token states (the last layer maps onto the last layer in every conversion), at the
-  same positions and with the same normalisation.
+  the teacher's token states where the conversion's layer map pairs them (`alignment_pairs`: in a
+  ConceptMoE conversion each decoder layer's output, which reads the dechunked concepts, and the source
+  layer it was copied from; elsewhere the last states), at the same positions and with the same
+  normalisation, averaged over the pairs.
 
 The teacher runs in eval mode without gradients, on the student's device; it is never saved.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +88,28 @@ def hidden_alignment(
     return total / count
 
 
+def alignment_pairs(student_config: Any, teacher_layers: int) -> list[tuple[int, int]]:
+    """(student, teacher) indices into the two models' `hidden_states` whose token states the conversion
+    makes equal at step 0: for a ConceptMoE converted from a `teacher_layers`-layer source, decoder layer k
+    (a copy of source layer teacher_layers − decoder_layers + k) after the encoder's and the concept
+    passes' entries; the concept passes hold concepts, not token states, and the encoder is the source's
+    own first layers, so neither is paired. Other students: the last states only (the last layer maps onto
+    the last layer in every conversion)."""
+    if getattr(student_config, "model_type", None) != "conceptmoe":
+        return [(-1, -1)]
+    decoder = student_config.decoder_layers
+    first_decoder = 1 + student_config.encoder_layers + len(student_config.concept_layer_schedule())
+    return [(first_decoder + k, teacher_layers - decoder + k + 1) for k in range(decoder)]
+
+
 def check_distillation_options(source: Any, temperature: float, align_hidden: float) -> None:
     """Refuse a temperature or weight that cannot work, and the distillation options without a source."""
     if source is None and (temperature != 1.0 or align_hidden != 0.0):
         raise TrainSetupError("--distill-temperature and --align-hidden go with --distill-from SOURCE")
-    # `not >` also refuses NaN.
-    if not temperature > 0:
-        raise TrainSetupError(f"--distill-temperature {temperature} must be a positive number")
-    if not align_hidden >= 0:
+    # `not >` also refuses NaN; an infinite temperature would multiply a zero KL by an infinite T².
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise TrainSetupError(f"--distill-temperature {temperature} must be a positive finite number")
+    if not (align_hidden >= 0 and math.isfinite(align_hidden)):
         raise TrainSetupError(f"--align-hidden {align_hidden} must be 0 (off) or a positive weight")
 
 
@@ -162,8 +179,14 @@ class DistillationTrainer(RecipeTrainer):
         loss = loss + scale * kl
         outputs["distill_loss"] = kl.detach()
         if aligning:
-            student_states, teacher_states = outputs.hidden_states[-1], teacher.hidden_states[-1]
-            aligned = hidden_alignment(student_states, teacher_states, positions, normalizer)
+            pairs = alignment_pairs(self.model.config, len(teacher.hidden_states) - 1)
+            terms = [
+                hidden_alignment(
+                    outputs.hidden_states[ours], teacher.hidden_states[theirs], positions, normalizer
+                )
+                for ours, theirs in pairs
+            ]
+            aligned = sum(terms) / len(terms)
             loss = loss + scale * self.align_hidden * aligned
             outputs["align_loss"] = aligned.detach()
         return loss, outputs

@@ -20,6 +20,12 @@ default σ = 0.1 they did not: the LM pushes every probability toward 1, the hel
 about 0.97, and noise of that size against probabilities bunched near 1 turned a held 1.5 tokens per
 concept at inference into about 1.9 in training on SmolLM2.) With several processes each sets its own
 threshold from its own batches.
+
+Under `boundary_rank_window` the decisions read local ranks instead of probabilities
+(`modeling.concept_ranking`), and the held threshold is a threshold on those ranks: the window already
+gives every text about one concept per R tokens, and the hold corrects what is left, so that the mix
+realises R exactly, while a threshold on the probabilities meets R on the mix by spending it on the
+languages whose probabilities sit highest.
 """
 
 from __future__ import annotations
@@ -63,13 +69,16 @@ def conceptmoe_stacks(model: nn.Module) -> list[nn.Module]:
 
 @torch.no_grad()
 def router_inputs(stack: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-    """(probs, starts, mask), each (B, L): the router's probabilities of a forward of `stack` with these
-    arguments, run without gradients only as far as the router (the early layers)."""
+    """(scores, starts, mask), each (B, L): what the router's decisions threshold in a forward of `stack`
+    with these arguments — its probabilities, or their local ranks under `boundary_rank_window` — run
+    without gradients only as far as the router (the early layers)."""
     found = []
 
     def stop(chunker: nn.Module, inputs: tuple, output: tuple) -> None:
-        _, starts, mask = inputs[:3]
-        found.append((output[0], starts, mask))
+        token_states, starts, mask = inputs[:3]
+        # A measuring forward has no cache: its rows start from the empty state.
+        scores, _ = stack.decision_scores(output[0], starts, mask, stack.state_of(None, token_states))
+        found.append((scores, starts, mask))
         raise _RouterReachedError
 
     hook = stack.chunker.register_forward_hook(stop)
