@@ -1,5 +1,5 @@
 """Probe: what would each end decision cost? Counterfactual (flipped) decisions of the LSLM's router on
-the synthetic language with known words (issue 28, the open part of point 4).
+the synthetic language with known words.
 
 For a sparse set of bytes per row (one every `--gap`, random offset), the decoder is run again with those
 decisions flipped (no gradient, same token states), and each flip's advantage of ending,
@@ -26,7 +26,6 @@ figures are in REPRODUCTION.md. Run:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_concept.data.synthetic_words import SyntheticWords
-from hf_concept.modeling.pooling import chunk_index
+from hf_concept.modeling.lslm_segmental import flipped
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET
 from hf_concept.training.lslm import drop_other_group_gradients, is_inference_parameter, update_phase
 
@@ -97,21 +96,6 @@ def column_costs(model, view, token_states, segmentation, bytes_only: bool) -> t
     own = torch.gather(losses, 1, slots.token_slot.clamp(0, last)) * view.mask
     opening = torch.gather(losses, 1, (slots.token_slot - 1).clamp(0, last)) * segmentation.opens
     return own + opening
-
-
-def flipped(segmentation, flips: torch.Tensor, view):
-    """The segmentation with the end decisions at `flips` reversed (no estimator fields)."""
-    ends = segmentation.ends ^ flips
-    opens = (F.pad(ends, (1, 0), value=False)[:, :-1] | view.starts) & view.mask
-    return dataclasses.replace(
-        segmentation,
-        ends=ends,
-        content_ends=segmentation.content_ends ^ flips,
-        opens=opens,
-        index=chunk_index(opens, view.mask),
-        straight_ends=None,
-        confidence=None,
-    )
 
 
 def with_free_ends(segmentation, ends: torch.Tensor, view):

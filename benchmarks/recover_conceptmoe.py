@@ -106,6 +106,13 @@ LORA_TARGETS = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
     """The conversion's decision rule, the distillation terms and the checkpoint."""
     parser.add_argument(
+        "--chunking",
+        choices=("dynamic", "fixed"),
+        default="dynamic",
+        help="fixed: a concept every --ratio tokens (an integer), the control a learned router must beat; "
+        "R = 1 converts with fixed chunks whatever this says",
+    )
+    parser.add_argument(
         "--rank-window",
         type=int,
         default=None,
@@ -198,6 +205,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not args.ratio >= 1 or args.minutes <= 0 or args.eval_every_minutes <= 0:
         parser.error("--ratio must be >= 1, --minutes and --eval-every-minutes > 0")
+    if args.chunking == "fixed" and (args.hold_ratio or not float(args.ratio).is_integer()):
+        parser.error("--chunking fixed takes an integer --ratio and holds it without --hold-ratio")
     if args.align_hidden and not args.distill:
         parser.error("--align-hidden goes with --distill")
     if not args.distill_temperature > 0 or not args.align_hidden >= 0:
@@ -438,7 +447,7 @@ def converted_model(source: Path, folder: Path, args: argparse.Namespace) -> Con
         encoder_layers=args.encoder_layers,
         decoder_layers=args.decoder_layers,
         compression_ratio=args.ratio,
-        chunking="fixed" if args.ratio == 1 else "dynamic",
+        chunking="fixed" if args.ratio == 1 else args.chunking,
         router_init=args.router_init,
         seed=args.seed,
         dtype="float32",

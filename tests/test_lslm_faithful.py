@@ -1,4 +1,4 @@
-"""LSLM as the paper builds it (issue 28): the decoder knows the segment it continues, the Beta prior scores
+"""LSLM as the paper builds it: the decoder knows the segment it continues, the Beta prior scores
 the boundary rate, the estimator is Gumbel-sigmoid + straight-through into the pooling matrix, and bits
 per byte renormalised over the byte ids are a decodable code."""
 

@@ -1,4 +1,4 @@
-"""LSLM's Hugging Face contracts (issue 15, point 4): the base model's `forward`, `labels` with causal-LM
+"""LSLM's Hugging Face contracts: the base model's `forward`, `labels` with causal-LM
 semantics, the loss per predicted byte under gradient accumulation and DDP, `hidden_states`, the
 `use_cache` default, `inputs_embeds` refused, and `trl.SFTTrainer` training a saved checkpoint."""
 

@@ -1,4 +1,4 @@
-"""LSLM learns to segment (issue 15): the LM loss reaches every boundary decision through the confidence
+"""LSLM learns to segment: the LM loss reaches every boundary decision through the confidence
 estimator, the KL is computed in log space, and inference thresholds at the rate training samples.
 
 Each estimator is checked against its plain reference (`hf_concept.reference.routing`); the model's router

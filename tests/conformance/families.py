@@ -1,4 +1,5 @@
-"""The registry the conformance suite runs over (DESIGN §7).
+"""The registry the conformance suite runs over; its remote-code lists are the file table of
+docs/ARCHITECTURE.md, §6.
 
 A family joins the suite by adding one `FamilySpec` to `FAMILIES`: a tiny fp32 config, its causal-LM
 class, the LoRA targets it recommends, invalid config values that must raise, the remote code its
@@ -103,6 +104,7 @@ LSLM_CODE = (
     "lslm_outputs.py",
     "modeling_lslm.py",
     "lslm_segment_cache.py",
+    "lslm_segmental.py",
     "lslm_estimators.py",
     "tokenization_lslm.py",
 )

@@ -11,14 +11,40 @@ in training as σ(p̂_t + g′ − g″) ≥ 0.5, thresholded at inference. `bou
 loss reaches the router: "straight_through" (default, the paper's §2.6: the hard sample passes its
 gradient straight through into dynamic pooling's matrix, `lslm_estimators`), "straight_through_targets"
 (also through the decoder's target at the byte's slot, `<nxt>` or the next byte; on the synthetic word
-language it drives the rate to 0 or 1 unless the prior is strong, see README) or "confidence" (each byte
-and decoder slot scaled by its decision's straight-through confidence, H-Net's multiplier, the form
-before issue 28). The objective is the ELBO: cross-entropy of the decoder's bytes and `<nxt>` markers +
-`kl_weight` (β) · the boundary prior's term. `prior_loss` picks that term:
+language it drives the rate to 0 or 1 unless the prior is strong, see docs/lslm.md), "confidence"
+(each byte and decoder slot scaled by its decision's straight-through confidence, H-Net's multiplier,
+the form before the straight-through default) or "segmental" (not the paper's: the router's gradient of
+the expected objective under q, from every free byte's decision flipped against the rest of the training
+sample, `lslm_segmental`).
+An exact dynamic programme over segment layouts, as in segmental LMs, needs a segment's likelihood to
+depend on where it starts and ends only; here the decoder reads the encoded segments s'_{0:m}, which
+depend on every end before, so "segmental" is exact per decision given the sampled rest and unbiased
+over it, at one more segment-encoder and decoder pass per free byte (no backward through them). Its
+gradient carries the decoder's full preference for fewer ends: on the synthetic word language the
+paper's prior strength (β = 1) lets it close no segment at all; a strong count prior holds the rate
+(`prior_loss="binomial"`, `kl_weight` 10).
+
+The objective is the ELBO: cross-entropy of the decoder's bytes and, with `segment_end_loss` (default
+True), its `<nxt>` markers + `kl_weight` (β) · the boundary prior's term. The paper's eq. 4 has no `<nxt>`
+term (it sums log p(x_t | X_<t, Z_<t) over the bytes and scores z only by the KL to the prior); the
+default keeps it because §2.3 has the decoder close every segment with `<nxt>` and read `<nxt>` at
+inference as the boundary, which it learns only from this term (the log p(z_t | X_≤t, Z_<t) of eq. 1),
+and because every checkpoint so far was trained with it. False is eq. 4 as written: the decoder is
+not taught to write `<nxt>` (generation then closes segments where the router does). `prior_loss` picks
+the prior's term:
 - "beta_binomial" (default, the paper's Beta(a, b) prior on the boundary rate): −log of the Beta-Binomial
   probability of each row's sampled number of ends, a = `prior_mean` · `prior_concentration`, b =
   (1 − `prior_mean`) · `prior_concentration` (or `prior_alpha`, `prior_beta` given directly). It scores
   the count only, so single bytes are free to be near 0 or 1;
+- "beta_kl" (eq. 4 as written): KL(q(z_t) ‖ p) per free byte with the Beta(a, b) prior, read as the KL
+  expected under the Beta, E_{π~Beta(a, b)}[KL(Bernoulli(q_t) ‖ Bernoulli(π))] = q log q + (1 − q)
+  log(1 − q) − q (ψ(a) − ψ(a + b)) − (1 − q)(ψ(b) − ψ(a + b)) (`lslm_estimators.beta_expected_kl`).
+  The other reading, the KL to the Beta-Bernoulli marginal Bernoulli(a / (a + b)), is "kl" exactly and
+  leaves the concentration no part, where the paper takes the Beta "to capture a range of segmentation
+  granularities"; the expected KL is the exact KL term of the ELBO when one rate π per row is drawn
+  from the Beta and its posterior is taken to be the prior (q(Z, π) = q(Z) p(π)), so the objective stays
+  a lower bound on log p(X). It pins every q_t at σ(ψ(a) − ψ(b)) (0.247 for a = 25, b = 75; the mean
+  as a + b grows);
 - "kl": KL(Bernoulli(q_t) ‖ Bernoulli(`prior_mean`)) per byte, the i.i.d. form, which pins every q_t at
   the prior mean;
 - "binomial": DTP's count prior −log Binomial(k; n, `prior_mean`) (a Beta of infinite concentration).
@@ -30,7 +56,8 @@ latest encoded segment s'_m (the null segment before the first), projected to th
 added to the input of every slot of segment m + 1. The paper's decoder is conditioned on s'_{0:m}
 (§2.3), but cross-attention alone carries no order: every segment's `<bos>` slot sends the same query
 and cannot tell the latest segment from the others. Configs saved before these fields existed load with
-the former behaviour (no latest-segment input, "kl", "confidence"), as their weights were trained.
+the former behaviour (no latest-segment input, "kl", "confidence"), as their weights were trained;
+configs saved before `segment_end_loss` existed load with True, the objective they were trained on.
 
 Inference decides with `boundary_rule`. Training samples a boundary with probability q_t (σ(p̂ + g′ − g″)
 ≥ ½ is a Bernoulli(q_t) draw), so it closes Σ q_t bytes of a text in expectation. "rate" (default) closes
@@ -63,10 +90,11 @@ from .transformers_compat import CACHE_KEYS
 
 logger = logging.get_logger(__name__)
 
-PRIOR_LOSSES = ("beta_binomial", "kl", "binomial")
-BOUNDARY_ESTIMATORS = ("straight_through", "straight_through_targets", "confidence")
+PRIOR_LOSSES = ("beta_binomial", "beta_kl", "kl", "binomial")
+BOUNDARY_ESTIMATORS = ("straight_through", "straight_through_targets", "confidence", "segmental")
 BOUNDARY_SOURCES = ("router", "every", "random")
-# What a config saved before issue 28 meant by leaving these fields out.
+# What a config saved before the Beta prior, the straight-through estimator and the latest-segment input
+# existed meant by leaving these fields out.
 LEGACY_FIELDS = {"prior_loss": "kl", "boundary_estimator": "confidence", "decoder_latest_segment": False}
 BOUNDARY_RULES = ("rate", "threshold")
 
@@ -121,6 +149,7 @@ class LSLMConfig(PlainDecoderConfig):
     kl_weight: float = 1.0
     prior_loss: str = "beta_binomial"
     boundary_estimator: str = "straight_through"
+    segment_end_loss: bool = True
     decoder_latest_segment: bool = True
     update_schedule: int = 1
     boundary_threshold: float = 0.5
@@ -144,7 +173,7 @@ class LSLMConfig(PlainDecoderConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
-        """A saved config (it names its transformers version) that predates issue 28's fields keeps the
+        """A saved config (it names its transformers version) that predates those fields keeps the
         behaviour its weights were trained with (`LEGACY_FIELDS`)."""
         if "transformers_version" in config_dict and "boundary_estimator" not in config_dict:
             config_dict = {**LEGACY_FIELDS, **config_dict}
@@ -209,6 +238,7 @@ class LSLMConfig(PlainDecoderConfig):
         if self.boundary_estimator not in BOUNDARY_ESTIMATORS:
             estimators = ", ".join(BOUNDARY_ESTIMATORS)
             raise ValueError(f"boundary_estimator={self.boundary_estimator!r} must be one of {estimators}")
+        self._check_segment_end_loss()
         if not isinstance(self.decoder_latest_segment, bool):
             raise ValueError(f"decoder_latest_segment={self.decoder_latest_segment!r} must be True or False")
         # The "threshold" rule closes where q_t >= threshold: 0 would close every byte whatever the router
@@ -225,6 +255,17 @@ class LSLMConfig(PlainDecoderConfig):
             raise ValueError(
                 f"sliding_window={self.sliding_window!r}, num_experts={self.num_experts!r}: LSLM's stages "
                 "are dense full-attention transformers"
+            )
+
+    def _check_segment_end_loss(self) -> None:
+        if not isinstance(self.segment_end_loss, bool):
+            raise ValueError(f"segment_end_loss={self.segment_end_loss!r} must be True or False")
+        if not self.segment_end_loss and self.boundary_estimator == "straight_through_targets":
+            # That estimator's gradient is ℓ(<nxt>) − ℓ(next byte): without the <nxt> term it would
+            # follow a loss the objective does not have.
+            raise ValueError(
+                "segment_end_loss=False with boundary_estimator='straight_through_targets': that estimator "
+                "passes each decision through the <nxt> target's loss, which the objective then leaves out"
             )
 
     def _warn_unreachable_threshold(self) -> None:

@@ -15,7 +15,12 @@ The paper's prior. "We assume a Beta(a, b) prior for p(z)": a prior on the bound
 z_t ~ Bernoulli(π) given π. Its marginal over the number k of ends among a row's n free bytes is the
 Beta-Binomial, P(k) = C(n, k) · B(k + a, n − k + b) / B(a, b). Scored on the sampled count, it lets
 each byte's q_t go anywhere (near 0 or 1) so long as the row's count is likely under the Beta; an
-i.i.d. Bernoulli(p) KL per byte instead pins every q_t at p.
+i.i.d. Bernoulli(p) KL per byte instead pins every q_t at p. The paper's eq. 4 puts that KL per byte
+inside the ELBO; with the Beta its per-byte form is the KL expected under the Beta (`beta_expected_kl`).
+
+Not the paper's: the local-expectation gradient (`local_expectation_surrogate`). q(Z) factorises over the
+bytes, so ∂E_q[L(Z)]/∂p̂_t = q_t (1 − q_t) · E_{Z_−t ~ q}[L(Z_−t, z_t = 1) − L(Z_−t, z_t = 0)] exactly: one
+sample of the rest Z_−t and both values of z_t give an unbiased estimate of every byte's derivative.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def straight_through_ends(relaxed: torch.Tensor, ends: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
@@ -104,3 +110,45 @@ def straight_through_target_losses(
     Reference: `hf_concept.reference.routing.straight_through_target_losses_reference`.
     """
     return straight_ends * end_losses + (1.0 - straight_ends) * continue_losses
+
+
+def beta_expected_kl(logits: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """E_{π~Beta(a, b)}[KL(Bernoulli(q) ‖ Bernoulli(π))] per element, q = σ(`logits`): the per-byte KL of
+    LSLM eq. 4 with the Beta(a, b) prior (`LSLMConfig`'s docstring, prior_loss "beta_kl", says why
+    this reading).
+
+    Forward value: q log q + (1 − q) log(1 − q) − q (ψ(a) − ψ(a + b)) − (1 − q)(ψ(b) − ψ(a + b)), ψ the
+    digamma (E log π = ψ(a) − ψ(a + b), E log(1 − π) = ψ(b) − ψ(a + b)), with log q = logsigmoid(l) and
+    log(1 − q) = logsigmoid(−l) as in `routing.bernoulli_kl_from_logits`: nothing is clamped, so the
+    value is finite at any logit. It is the KL to Bernoulli(a / (a + b)) ("kl") plus a positive gap
+    (Jensen), and smallest at q = σ(ψ(a) − ψ(b)).
+    Backward rule: ∂/∂l = q (1 − q) · (l − (ψ(a) − ψ(b))), by plain autograd through logsigmoid and exp
+    (float32 at least).
+    Reference: `hf_concept.reference.lslm.beta_expected_kl_reference`.
+    """
+    if not alpha > 0 or not beta > 0:
+        raise ValueError(f"alpha={alpha!r} and beta={beta!r} must be positive")
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    shapes = torch.tensor([alpha, beta, alpha + beta], dtype=torch.float64)
+    psi_a, psi_b, psi_ab = torch.special.digamma(shapes).tolist()
+    log_q, log_not_q = F.logsigmoid(logits), F.logsigmoid(-logits)
+    return torch.exp(log_q) * (log_q - (psi_a - psi_ab)) + torch.exp(log_not_q) * (
+        log_not_q - (psi_b - psi_ab)
+    )
+
+
+def local_expectation_surrogate(
+    logits: torch.Tensor, advantages: torch.Tensor, decided: torch.Tensor
+) -> torch.Tensor:
+    """A scalar of value exactly 0 whose gradient to the router's logits p̂_t is the local-expectation
+    gradient of the expected loss (module docstring), given each decided byte's `advantages`
+    A_t = L(Z_−t, z_t = 1) − L(Z_−t, z_t = 0) (B, T) at the sampled rest (no gradient taken through A).
+
+    Forward value: Σ_t [decided] · A_t · (q_t − sg(q_t)) = 0.0 exactly, q_t = σ(p̂_t).
+    Backward rule: ∂/∂p̂_t = A_t · q_t (1 − q_t) at `decided` bytes, 0 elsewhere (forced ends, pads).
+    Reference: `hf_concept.reference.lslm.expected_loss_reference` (the expectation over every layout,
+    whose autograd gradient this estimate averages to).
+    """
+    probs = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+    advantages = advantages.detach().to(probs.dtype)
+    return torch.where(decided, advantages * (probs - probs.detach()), torch.zeros_like(probs)).sum()

@@ -44,8 +44,10 @@ class BoundaryRouter(nn.Module):
         self.fc_out = nn.Linear(intermediate, width)
 
     def forward(self, token_states: torch.Tensor) -> torch.Tensor:
-        """(B, T, Dt) -> (B, T) float32 logits p̂_t."""
-        return self.fc_out(F.relu(self.fc_in(token_states))).float().sum(dim=-1)
+        """(B, T, Dt) -> (B, T) logits p̂_t in float32 at least (a float64 model's stay float64, so that its
+        estimators can be checked to float64 precision)."""
+        logits = self.fc_out(F.relu(self.fc_in(token_states)))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)).sum(dim=-1)
 
 
 class SegmentCrossAttention(nn.Module):

@@ -35,10 +35,10 @@ class ByteView:
 @dataclass
 class Segmentation:
     """One pass's boundaries over a `ByteView`, each (B, T): `ends` (byte t ends a segment), `logits` p̂_t
-    and `probs` q_t (float32), `forced` (ends not decided by the router: `<BoS>`, `<eos>`, a document's
-    last byte, a byte before a marker), `content_ends` (ends decided by the byte itself: the router,
-    `<BoS>`, `<eos>`), `index` (segment of each byte, -1 elsewhere) and `opens`. `confidence`: in training
-    with `boundary_estimator="confidence"`, each byte's straight-through decision confidence
+    and `probs` q_t (float32 at least), `forced` (ends not decided by the router: `<BoS>`, `<eos>`, a
+    document's last byte, a byte before a marker), `content_ends` (ends decided by the byte itself: the
+    router, `<BoS>`, `<eos>`), `index` (segment of each byte, -1 elsewhere) and `opens`. `confidence`: in
+    training with `boundary_estimator="confidence"`, each byte's straight-through decision confidence
     (`routing.decision_confidence`: value 1, gradient to the byte's own Gumbel-sigmoid sample); None
     otherwise."""
 
@@ -196,10 +196,10 @@ def token_slots(view: ByteView, segmentation: Segmentation, slots: DecoderSlots)
 
 
 def opening_probs(segmentation: Segmentation, view: ByteView) -> torch.Tensor:
-    """(B, T) float32 over the view: the probability that each byte opens a segment (DESIGN §3,
-    b_{t+1} = z_t), i.e. q of the byte before it; 1 at a document's first byte and after a forced end
-    (`<BoS>`, `<eos>`, a byte before a marker); 0 where the view holds no byte. Detached: a figure to
-    show, not a term of the loss."""
+    """(B, T) float32 over the view: the probability that each byte opens a segment (b_{t+1} = z_t,
+    docs/ARCHITECTURE.md §2), i.e. q of the byte before it; 1 at a document's first byte and after a
+    forced end (`<BoS>`, `<eos>`, a byte before a marker); 0 where the view holds no byte. Detached: a
+    figure to show, not a term of the loss."""
     ends = torch.where(segmentation.forced, 1.0, segmentation.probs.detach().float())
     return torch.where(view.starts, 1.0, _previous(ends, 1.0)) * view.mask
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .configuration_lslm import LSLMConfig
-from .lslm_estimators import beta_binomial_prior_nll, straight_through_target_losses
+from .lslm_estimators import beta_binomial_prior_nll, beta_expected_kl, straight_through_target_losses
 from .lslm_layout import ByteView, DecoderSlots, Segmentation
 from .routing import bernoulli_kl_from_logits, binomial_prior_nll
 from .tokenization_lslm import BYTE_OFFSET
@@ -24,19 +24,29 @@ def prior_loss_sum(segmentation: Segmentation, free: torch.Tensor, config: LSLMC
     "beta_binomial": Σ over rows of −log BetaBinomial(k; n, a, b) (`LSLMConfig.beta_prior`);
     "binomial": Σ over rows of −log Binomial(k; n, prior_mean); k the row's sampled ends among its n free
     bytes, counted straight-through (Σ z_t + ẑ_t − sg(ẑ_t)) so that each sample gets the count's
-    gradient. "kl": Σ over free bytes of KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean))."""
+    gradient, or as the plain count under the "segmental" estimator, whose flips score the count prior
+    (`lslm_segmental`). "kl": Σ over free bytes of KL(Bernoulli(q_t) ‖ Bernoulli(prior_mean)); "beta_kl":
+    Σ over free bytes of the KL expected under the Beta(a, b) (`lslm_estimators.beta_expected_kl`)."""
     if config.prior_loss == "kl":
         kl = bernoulli_kl_from_logits(segmentation.logits, config.prior_mean)
         return kl[free].sum()
-    relaxed = segmentation.relaxed if segmentation.relaxed is not None else segmentation.probs
-    straight = segmentation.ends.float() + relaxed - relaxed.detach()
-    counts = (straight * free).sum(dim=1)
-    totals = free.sum(dim=1)
-    if config.prior_loss == "binomial":
-        nll = binomial_prior_nll(counts, totals, config.prior_mean)
+    if config.prior_loss == "beta_kl":
+        return beta_expected_kl(segmentation.logits, *config.beta_prior())[free].sum()
+    if config.boundary_estimator == "segmental":
+        counts = (segmentation.ends & free).sum(dim=1).to(segmentation.probs.dtype)
     else:
-        nll = beta_binomial_prior_nll(counts, totals, *config.beta_prior())
-    return nll[totals > 0].sum()
+        relaxed = segmentation.relaxed if segmentation.relaxed is not None else segmentation.probs
+        straight = segmentation.ends.float() + relaxed - relaxed.detach()
+        counts = (straight * free).sum(dim=1)
+    totals = free.sum(dim=1)
+    return count_prior_nll(counts, totals, config)[totals > 0].sum()
+
+
+def count_prior_nll(counts: torch.Tensor, totals: torch.Tensor, config: LSLMConfig) -> torch.Tensor:
+    """(B,) −log P(k ends among n free bytes) under the count priors ("binomial", "beta_binomial")."""
+    if config.prior_loss == "binomial":
+        return binomial_prior_nll(counts, totals, config.prior_mean)
+    return beta_binomial_prior_nll(counts, totals, *config.beta_prior())
 
 
 def boundary_metrics(segmentation: Segmentation, free: torch.Tensor) -> dict:
@@ -130,9 +140,8 @@ def elbo_fields(
     fields["compression_ratio"] = (mask.sum() / max(segments, 1)).detach().float()
     if targets is None:
         return fields
-    counted = targets != -100
-    log_probs = F.log_softmax(slot_logits.float(), dim=-1)  # (B, S, V)
-    losses = -torch.gather(log_probs, 2, targets.clamp(min=0)[..., None])[..., 0] * counted
+    counted = scored_targets(targets, config)
+    log_probs, losses = target_losses(slot_logits, targets, counted)
     if segmentation.straight_ends is not None and config.boundary_estimator == "straight_through_targets":
         losses = straight_through_slot_losses(config, log_probs, losses, targets, segmentation, view, slots)
     lm_sum = losses[counted].sum()
@@ -149,6 +158,25 @@ def elbo_fields(
         bits_per_byte=bits.detach(),
     )
     return fields
+
+
+def scored_targets(targets: torch.Tensor, config: LSLMConfig) -> torch.Tensor:
+    """(B, S) bool: the decoder targets the objective scores, every kept one (not -100), less the `<nxt>`
+    markers when `segment_end_loss` is off (`LSLMConfig`'s docstring: LSLM eq. 4 has no such term)."""
+    counted = targets != -100
+    if not config.segment_end_loss:
+        counted = counted & (targets != config.segment_end_token_id)
+    return counted
+
+
+def target_losses(
+    slot_logits: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B, S, V) log-probabilities, (B, S) cross-entropy of each slot's target, 0 where not `counted`),
+    in float32 at least (float64 logits stay float64)."""
+    log_probs = F.log_softmax(slot_logits.to(torch.promote_types(slot_logits.dtype, torch.float32)), dim=-1)
+    losses = -torch.gather(log_probs, 2, targets.clamp(min=0)[..., None])[..., 0] * counted
+    return log_probs, losses
 
 
 def straight_through_slot_losses(

@@ -23,9 +23,9 @@ class LSLMCausalLMOutput(ModelOutput):
     the inference rule in eval), `expected_boundary_rate` (mean q_t), `inference_boundary_rate` (the share
     the inference rule closes on the same bytes), `bits_per_byte`,
     `compression_ratio` (bytes per segment), `boundaries` (B, T) bool, True where an input token opens
-    a segment (DESIGN §3: b_t = 1; markers never open one), and `boundary_probs` (B, T) float32, the
-    probability that it opens one (`lslm_layout.opening_probs`: q of the byte before it, 1 where the
-    opening is forced, 0 at markers and pads). `loss` is defined in `LSLMForCausalLM`.
+    a segment (b_t = 1, docs/ARCHITECTURE.md §2; markers never open one), and `boundary_probs` (B, T)
+    float32, the probability that it opens one (`lslm_layout.opening_probs`: q of the byte before it, 1
+    where the opening is forced, 0 at markers and pads). `loss` is defined in `LSLMForCausalLM`.
 
     `hidden_states` (with `output_hidden_states`) and `attentions` (with `output_attentions`), of a parallel
     pass and of cached calls alike: as in `LSLMModelOutput` (summed up in `LSLMForCausalLM`)."""
@@ -89,8 +89,8 @@ class LSLMPass:
     """One parallel pass, what the heads read: the real-column `mask` (B, T), the `view`, the
     `segmentation` and decoder `slots`, the (B, S, Dd) normed `slot_states`, `column_slots` (B, T) (the
     slot each input column reports, `lslm_layout.token_slots`), `boundaries` and `boundary_probs` (B, T)
-    at the input columns, the `hidden_states` tuple (or None), the `cache` it filled (or None) and the
-    `attentions` tuple (with an `AttentionRecorder`, else None)."""
+    at the input columns, the `hidden_states` tuple (or None), the `cache` it filled (or None), the
+    `attentions` tuple (with an `AttentionRecorder`, else None) and the view's `token_states`."""
 
     mask: torch.Tensor
     view: ByteView
@@ -103,6 +103,8 @@ class LSLMPass:
     hidden_states: tuple[torch.Tensor, ...] | None
     cache: SegmentCache | None
     attentions: tuple[torch.Tensor | None, ...] | None = None
+    # (B, T, Dt) the token encoder's normed states in view order (what the router and the pooling read).
+    token_states: torch.Tensor | None = None
 
     def column_states(self) -> torch.Tensor:
         """(B, T, Dd) the slot state each input column reports."""

@@ -1,4 +1,4 @@
-"""`SegmentCache`: the decoding cache of the LSLM family (DESIGN §5, LSLM §2.3).
+"""`SegmentCache`: the decoding cache of the LSLM family (LSLM §2.3; docs/ARCHITECTURE.md §5).
 
 Legend: B batch, G key/value heads, K head dim, T bytes fed to the token encoder, W the longest stored
 row of a ragged store, Dt token-encoder width.

@@ -1,6 +1,6 @@
 """The LSLM family: byte encoder -> ffn-gumbel boundaries -> pooled segments -> segment encoder -> segment
-decoder (LSLM §2, DESIGN §4), in one parallel pass (training, full recomputation, generation's prefill)
-and one input column at a time over a `SegmentCache` (generation).
+decoder (LSLM §2; docs/ARCHITECTURE.md §4.4), in one parallel pass (training, full recomputation,
+generation's prefill) and one input column at a time over a `SegmentCache` (generation).
 
 Legend: B batch, T input tokens, M segments, S decoder slots (the bytes, one `<bos>` per segment and one
 pending `<bos>` per document), Dt / D / Dd token-encoder / segment-encoder / decoder width, V vocabulary
@@ -24,17 +24,20 @@ Pass, per row (left padding and packed documents allowed):
    (`lslm_estimators`: each byte's weight in its segment is 1 in value, with a gradient to every end
    decision before it); "straight_through_targets" also through the decoder target of the byte's slot;
    "confidence" scales each byte's pooled state and decoder slot by its decision's straight-through
-   confidence (`routing.decision_confidence`);
+   confidence (`routing.decision_confidence`); "segmental" pools the hard segments and gives the router
+   the expected objective's gradient from every free decision flipped against the sample
+   (`lslm_segmental`);
 4. segment encoder (causal over the segments of a document; RoPE at the segment's ordinal);
 5. decoder over slots: segment m is written as [`<bos>`, its bytes] and predicts [its bytes, `<nxt>`];
    self-attention within the segment (causal), cross-attention to the encoded segments before m in its
    document plus a learned null segment (so the first segment has something to read), and, with
    `decoder_latest_segment`, the latest of those segments (projected) added to every slot's input: the
    cross-attention carries no order, so without it a `<bos>` slot cannot tell which segment it continues;
-6. the ELBO: cross-entropy over the decoder's targets (bytes and `<nxt>`; nothing is predicted for
-   `<BoS>`'s segment or after `<eos>`) + `kl_weight` · the boundary prior's term over the bytes whose
-   boundary is not forced (`prior_loss`: the Beta prior's Beta-Binomial count term by default, the
-   per-byte Bernoulli KL, or DTP's binomial count prior; `lslm_loss`), summed and divided by the step's
+6. the ELBO: cross-entropy over the decoder's targets (bytes, and `<nxt>` with `segment_end_loss`;
+   nothing is predicted for `<BoS>`'s segment or after `<eos>`) + `kl_weight` · the boundary prior's term
+   over the bytes whose boundary is not forced (`prior_loss`: the Beta prior's Beta-Binomial count term
+   by default, the per-byte KL expected under the Beta, the per-byte Bernoulli KL, or DTP's binomial
+   count prior; `lslm_loss`), summed and divided by the step's
    predicted bytes (see `LSLMForCausalLM`). `bits_per_byte` = the cross-entropy of byte targets alone /
    ln 2.
 
@@ -107,6 +110,7 @@ from .lslm_layout import (
 from .lslm_loss import elbo_fields, label_targets, labels_from_shift_labels
 from .lslm_outputs import LSLMCausalLMOutput, LSLMModelOutput, LSLMPass, at_input_columns
 from .lslm_segment_cache import RaggedStore, SegmentCache
+from .lslm_segmental import segmental_surrogate
 from .packing import document_starts, token_mask
 from .pooling import chunk_index, pool_concepts, slot_attention_mask
 from .routing import (
@@ -279,6 +283,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
             hidden_states=hidden_states,
             cache=cache,
             attentions=self.attention_entries(recorder),
+            token_states=token_states,
         )
 
     def input_view(
@@ -388,7 +393,7 @@ class LSLMModel(SegmentCacheSteps, LSLMPreTrainedModel):
         confidence, straight = None, None
         if self.training and config.boundary_estimator == "confidence":
             confidence = decision_confidence(relaxed, ends, mask & ~forced)
-        elif self.training:
+        elif self.training and config.boundary_estimator != "segmental":
             straight = straight_through_ends(relaxed, ends, mask & ~forced)
         index = chunk_index(opens, mask)
         return Segmentation(
@@ -719,6 +724,9 @@ class LSLMForCausalLM(LSLMPreTrainedModel, SegmentMarkerGeneration, GenerationMi
         fields = elbo_fields(
             self.config, slot_logits, layout.slots, layout.segmentation, layout.view, targets, predicted
         )
+        if targets is not None and self.training and self.config.boundary_estimator == "segmental":
+            # Value exactly 0: only the gradient through the router's logits changes (`lslm_segmental`).
+            fields["loss"] = fields["loss"] + segmental_surrogate(self, layout, labels, predicted)
         return LSLMCausalLMOutput(
             logits=logits,
             cache=layout.cache,

@@ -14,10 +14,11 @@ but none of its vectorised bookkeeping. It walks the input columns as generation
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from hf_concept.modeling.packing import document_starts
 
@@ -153,7 +154,14 @@ def _source_closes(config, rank: int) -> bool:
 
 
 def _loss(model, ids, segments, byte_states) -> torch.Tensor:
-    """Mean cross-entropy over the decoder's targets (the module docstring of modeling_lslm)."""
+    """Mean cross-entropy over the decoder's scored targets (the module docstring of modeling_lslm)."""
+    total, count = _loss_sum(model, ids, segments, byte_states)
+    return total / max(count, 1)
+
+
+def _loss_sum(model, ids, segments, byte_states) -> tuple[torch.Tensor | float, int]:
+    """(summed cross-entropy, number of targets) over the decoder's scored targets: every byte of a
+    segment, and its `<nxt>` when it closed (not after `<eos>`) and `segment_end_loss` is on."""
     config, backbone = model.config, model.model
     total, count = 0.0, 0
     pooled: dict[int, list[torch.Tensor]] = {}
@@ -171,6 +179,98 @@ def _loss(model, ids, segments, byte_states) -> torch.Tensor:
         for slot, target in enumerate(targets):
             if slot > 0 and ids[columns[slot - 1]] == config.eos_token_id:
                 continue
-            total = total + F.cross_entropy(slot_logits[slot].float()[None], torch.tensor([target]))
+            if target == config.segment_end_token_id and not config.segment_end_loss:
+                continue
+            log_probs = torch.log_softmax(
+                slot_logits[slot].to(torch.promote_types(slot_logits.dtype, torch.float32)), -1
+            )
+            total = total - log_probs[target]
             count += 1
-    return total / max(count, 1)
+    return total, count
+
+
+def beta_expected_kl_reference(logits: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """E_{π~Beta(a, b)}[KL(Bernoulli(q) ‖ Bernoulli(π))] written with probabilities, in float64:
+    q log q + (1 − q) log(1 − q) − q E[log π] − (1 − q) E[log(1 − π)], E[log π] = ψ(a) − ψ(a + b) and
+    E[log(1 − π)] = ψ(b) − ψ(a + b) (torch.digamma)."""
+    q = torch.sigmoid(logits.double())
+    a, b = torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64)
+    mean_log_pi = torch.digamma(a) - torch.digamma(a + b)
+    mean_log_not_pi = torch.digamma(b) - torch.digamma(a + b)
+    return q * torch.log(q) + (1 - q) * torch.log(1 - q) - q * mean_log_pi - (1 - q) * mean_log_not_pi
+
+
+def layout_objective_reference(model, input_ids: torch.Tensor, ends: list[bool]) -> torch.Tensor:
+    """The negative ELBO of one row (1, T) of bytes (`<BoS>` first, no markers, one document) under the
+    given end decisions, summed (not divided by the predicted bytes): the decoder's scored cross-entropy
+    + `kl_weight` · the prior's term (`prior_loss`). `ends[t]` decides byte t, used where the byte's end
+    is not forced (`<BoS>` and `<eos>` always end). Gradients reach every weight but through the layout:
+    the count priors score the count as a number, the KL priors are functions of the router's q."""
+    config, backbone = model.config, model.model
+    ids = input_ids[0].tolist()
+    byte_states = _byte_states(backbone, ids, [1] * len(ids), [True] * len(ids))
+    special = (config.bos_token_id, config.eos_token_id)
+    segments, open_columns = [], []
+    for column, token in enumerate(ids):
+        open_columns.append(column)
+        if token in special or ends[column]:
+            segments.append((1, open_columns, True))
+            open_columns = []
+    if open_columns:
+        segments.append((1, open_columns, False))
+    total, _ = _loss_sum(model, ids, segments, byte_states)
+    logits, free = router_logits_reference(model, input_ids, byte_states)
+    return total + config.kl_weight * _prior_term(config, logits, sum(bool(ends[c]) for c in free))
+
+
+def router_logits_reference(
+    model, input_ids: torch.Tensor, byte_states: dict[int, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """((n,) router logits p̂_t of the row's free bytes, their n columns) for one row (1, T) of bytes
+    (`<BoS>` first, no markers): every byte but `<BoS>` and `<eos>` is decided by the router."""
+    config, backbone = model.config, model.model
+    ids = input_ids[0].tolist()
+    if byte_states is None:
+        byte_states = _byte_states(backbone, ids, [1] * len(ids), [True] * len(ids))
+    free = [c for c, token in enumerate(ids) if token not in (config.bos_token_id, config.eos_token_id)]
+    return torch.stack([backbone.router(byte_states[c][None, None])[0, 0] for c in free]), free
+
+
+def _prior_term(config, logits: torch.Tensor, count: int) -> torch.Tensor | float:
+    """The prior's term of one row: Σ of the per-byte KL over the free bytes' `logits`, or −log P(count)."""
+    alpha, beta = config.beta_prior()
+    if config.prior_loss == "kl":
+        q, p = torch.sigmoid(logits), config.prior_mean
+        return (q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))).sum()
+    if config.prior_loss == "beta_kl":
+        return beta_expected_kl_reference(logits, alpha, beta).to(logits.dtype).sum()
+    total = len(logits)
+    log_choose = math.lgamma(total + 1) - math.lgamma(count + 1) - math.lgamma(total - count + 1)
+    if config.prior_loss == "binomial":
+        return -(
+            log_choose
+            + count * math.log(config.prior_mean)
+            + (total - count) * math.log1p(-config.prior_mean)
+        )
+    log_beta = (
+        math.lgamma(count + alpha) + math.lgamma(total - count + beta) - math.lgamma(total + alpha + beta)
+    )
+    return -(log_choose + log_beta - (math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)))
+
+
+def expected_loss_reference(
+    objective: Callable[[list[bool]], torch.Tensor], logits: torch.Tensor, decided: list[int], length: int
+) -> torch.Tensor:
+    """E_{Z~q}[objective(Z)] by enumeration: Σ over the 2^n layouts of the `decided` columns (n of them,
+    the others False) of Π_t q_t^{z_t} (1 − q_t)^{1 − z_t} · objective(Z), with q = σ(`logits`) (n,).
+    Its autograd gradient is the exact gradient of the expected objective."""
+    probs = torch.sigmoid(logits)
+    total = 0.0
+    for layout in itertools.product((False, True), repeat=len(decided)):
+        ends = [False] * length
+        weight = 1.0
+        for index, (column, end) in enumerate(zip(decided, layout, strict=True)):
+            ends[column] = end
+            weight = weight * (probs[index] if end else 1 - probs[index])
+        total = total + weight * objective(ends)
+    return total
