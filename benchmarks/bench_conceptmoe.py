@@ -86,7 +86,7 @@ except ImportError:
 
 TARGET_PREFILL = 1.5
 TARGET_DECODE = 1.3
-# Issue 17: a router trained to realise R = 2 should decode at least this much faster at the longest length.
+# A router trained to realise R = 2 should decode at least this much faster at the longest length.
 TARGET_DECODE_TRAINED = 1.5
 TRAINED = "trained"
 # Greedy steps of the trained model's cached-decoding check.

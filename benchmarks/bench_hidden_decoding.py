@@ -16,7 +16,7 @@ source table, i.e. `E.repeat(1, n)`). Before timing it checks that n = 1 reprodu
    machine noise hits them alike; medians over `--repeats` rounds after one warm-up step each. Printed
    beside it: the ratio that an operation count predicts (matmul multiply-adds, forward: projections and
    MLP grow n×, intra attention n×, full attention n²×, the LM head runs on the final stream only), and
-   the source's step for scale. The issue's target: 1-in-4 at n = 4 costs <= 4.6x the n = 1 step (the
+   the source's step for scale. The target: 1-in-4 at n = 4 costs <= 4.6x the n = 1 step (the
    paper measured 5.1x and 4.4x at 80B/617B; all-full attention alone would approach 16x).
 2. KV-cache bytes per token after a prefill of `--kv-prompt` tokens: `StreamCache.num_bytes()` against
    the source's `DynamicCache` key/value bytes, with the ratio the layout implies (per_stream: every layer
@@ -24,7 +24,7 @@ source table, i.e. `E.repeat(1, n)`). Before timing it checks that n = 1 reprodu
 3. decode: `--decode-tokens` greedy cached steps after a prefill of each of `--decode-contexts` tokens,
    at each batch size in `--decode-batches`, for the `--decode-layouts` at each n of `--decode-streams`:
    tokens per second against the source's (interleaved rounds, medians; every round starts from a copy
-   of one prefilled cache). The issue's target: 1-in-4 at n = 4, batch 1, keeps >= 0.85x the source's
+   of one prefilled cache). The target: 1-in-4 at n = 4, batch 1, keeps >= 0.85x the source's
    tokens/s (the paper's serving benchmark keeps 83-88%).
 4. profile: one 1-in-4 training step per n under `torch.profiler`, self CPU time split into attention
    kernels (sdpa forward and backward), matmuls and everything else: where the ratio of part 1 comes from.
@@ -67,7 +67,7 @@ from hf_concept.modeling.transformers_compat import cache_kwarg, output_cache
 from hf_concept.tables import format_table
 
 TARGET_STEP_RATIO = 4.6
-# Issue 18: the paper's serving benchmark keeps 83-88% of the source's tokens/s at batch 1.
+# The paper's serving benchmark keeps 83-88% of the source's tokens/s at batch 1.
 TARGET_DECODE_RATIO = 0.85
 TARGET_STREAMS = 4
 EXACTNESS_TOLERANCE = 1e-4

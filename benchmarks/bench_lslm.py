@@ -5,7 +5,7 @@ and decoder layers (default 2,4,2) at widths `--width` (segment encoder) and `--
 `--decoder-width`, heads of width 32, MLPs 4x wide, built twice with the same weights, pooling `mean` and
 `hops:3` (pooling has no parameters); and one baseline, `--baseline`, at depth `--baseline-layers`
 (default the LSLM's total layer count: the paper's GPT-2, Appendix B, has as many layers as its LSLM):
-- "byte" (default; the fair baseline of issue 28): `hf_concept.evaluation.byte_decoder_baseline`, the
+- "byte" (default; the fair baseline): `hf_concept.evaluation.byte_decoder_baseline`, the
   project's own decoder (SwiGLU, RMSNorm, RoPE) at the segment encoder's width `--width`, heads of width
   32; matched by shape, not by parameter count.
 - "gpt2": `hf_concept.evaluation.byte_gpt2_baseline` matched to the LSLM's parameter count

@@ -1,4 +1,4 @@
-"""A real checkpoint against its conversions: prefill, decode and KV-cache bytes (issue 29 point 4).
+"""A real checkpoint against its conversions: prefill, decode and KV-cache bytes.
 
 Models, all fp32, sdpa, eval, in one process: the source (`--source`, a Llama-family safetensors folder,
 e.g. SmolLM2-135M-Instruct), the ConceptMoE checkpoint `--conceptmoe DIR` when given (e.g. the one

@@ -1,4 +1,4 @@
-"""The largest arm of each family on one lent GPU, on the built corpus, in one call (issue 27, point 5).
+"""The largest arm of each family on one lent GPU, on the built corpus, in one call.
 
 The corpus (`hf-concept build-corpus`) is far larger than what a device call may carry (64 MiB), so the
 run has two steps:

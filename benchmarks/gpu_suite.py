@@ -1,5 +1,5 @@
 """Every family on one GPU in one call: exactness of the varlen path, attention kernels, training steps,
-prefill and decode against a matched baseline, DLCM's cross-attention forms (issue 30).
+prefill and decode against a matched baseline, DLCM's cross-attention forms.
 
 Legend: B batch, L context (tokens), R tokens per concept, n streams, D width.
 

@@ -1,7 +1,8 @@
 """Where a sweep run's held-out − training gap comes from: memorised windows, or other documents.
 
-Issue 27 asks each scaled run to end with held-out loss − training loss below 0.05 nats. On `--corpus`
-no window is read twice, so a gap cannot come from repetition; this script shows what it does come from.
+Each scaled run should end with held-out loss − training loss below 0.05 nats (REPRODUCTION.md, the scaled
+sweeps on the built corpus). On `--corpus` no window is read twice, so a gap cannot come from repetition;
+this script shows what it does come from.
 It loads a model a sweep saved (the pretrained sources under `DIR/models`), rebuilds the windows it read
 (its seed's order, `--read-windows` of them), and scores the same weights, per language/kind cell, on
 

@@ -1,14 +1,14 @@
 """Does a Hidden Decoding conversion keep its source's predictions? Held-out loss and max |Δlogit| of a
-converted real checkpoint against the source, before any training (issue 29 point 2).
+converted real checkpoint against the source, before any training.
 
 For each n in `--streams`, the source is converted twice with the default layout (one full layer in
 four) and token positions in intra layers: with the paper's cross-stream form (causal masks over the
-expanded sequence, expanded RoPE positions p·n + k: the conversion before issue 29) and with the
-conversion default (token-block masks, token positions). Each model scores the bundled English held-out
-text (`hf_concept.data.load_text("en", "heldout")`, tokenized by the source's tokenizer) in
-non-overlapping windows of `--context` tokens (the first `--windows`); the table gives the loss (nats per
-token), its change against the source, and the largest |Δlogit| over every scored position. Converted
-folders go to a temporary directory and are removed after scoring.
+expanded sequence, expanded RoPE positions p·n + k: the conversion's form before token-block masks became
+its default) and with the conversion default (token-block masks, token positions). Each model scores the
+bundled English held-out text (`hf_concept.data.load_text("en", "heldout")`, tokenized by the source's
+tokenizer) in non-overlapping windows of `--context` tokens (the first `--windows`); the table gives the
+loss (nats per token), its change against the source, and the largest |Δlogit| over every scored
+position. Converted folders go to a temporary directory and are removed after scoring.
 
     python benchmarks/hidden_decoding_lossless.py SRC [--streams 2,4] [--context 512] [--windows 4]
         [--threads 2]

@@ -44,7 +44,7 @@ TABLES = {
         ("some (default, 1 in 4)", "HD (n=4)"),
         ("all full", "HD (n=4), all full"),
     ),
-    "[issue 18.1] intra-layer RoPE positions at n=4": (
+    "[RoPE] intra-layer RoPE positions at n=4 (not in the paper)": (
         ("source", BASELINE),
         ("token positions (p)", "HD (n=4)"),
         ("expanded positions (p·n+k)", "HD (n=4), expanded positions"),
@@ -57,14 +57,14 @@ TABLES = {
     ),
 }
 # Paper figures, for the report. Table 5 (6B MoE): LM loss. Table 4 (21B MoE): mean benchmark gain over
-# the baseline. Table 13 (80B MoE, progressive): Pile-test bits per byte. Issue 18: held-out loss of a
-# toy source converted to n = 4 before training.
+# the baseline. Table 13 (80B MoE, progressive): Pile-test bits per byte. Not from the paper: held-out loss
+# of a toy source converted to n = 4 before training, with expanded and with token intra positions.
 PAPER = {
     "Table 5 loss": {"baseline": 1.908, "all-token (n=2)": 1.880, "sum (n=2)": 1.877, "HD (n=2)": 1.874,
                      "HD (n=3)": 1.857},
     "Table 4 mean gain": {"1 full": 1.55, "4 of 27 full": 2.16, "all 27 full": 2.62},
     "Table 13 Pile BPB": {"n=1": 0.386, "n=2": 0.387, "n=4": 0.382, "n=8": 0.378},
-    "issue 18 converted n=4 loss": {"source": 5.484, "expanded": 5.62, "token": 5.483},
+    "toy source converted to n=4, loss": {"source": 5.484, "expanded": 5.62, "token": 5.483},
 }  # fmt: skip
 
 
@@ -105,7 +105,7 @@ def print_progressive(runs: list[dict]) -> None:
 def below(table: dict, pairs: list[tuple[str, str]], key: str = "loss") -> dict | None:
     """`holds`: in every (lower, higher) pair the seed mean of the paired difference of `key` is below 0.
     `within_spread`: some pair's mean difference is no larger than its seeds' sample std, "no difference
-    at this scale" (REPRODUCING rule 3). `verdict`: `runner.chain_verdict` of the pairs'
+    at this scale". `verdict`: `runner.chain_verdict` of the pairs'
     `runner.paired_verdict`s (unresolved within 2 std). None when a pair's arm was not run."""
     if any(name not in table for pair in pairs for name in pair):
         return None
@@ -120,7 +120,7 @@ def below(table: dict, pairs: list[tuple[str, str]], key: str = "loss") -> dict 
 
 
 def directions(table: dict) -> dict[str, dict | None]:
-    """The paper's directions on the held-out loss after continuing (issue 18's also after conversion);
+    """The paper's directions on the held-out loss after continuing (the RoPE one also after conversion);
     None where an arm one needs was not run."""
     hd2, hd4, expanded_positions = "HD (n=2)", "HD (n=4)", "HD (n=4), expanded positions"
     one_full, all_full = "HD (n=4), 1 full layer", "HD (n=4), all full"
@@ -135,10 +135,10 @@ def directions(table: dict) -> dict[str, dict | None]:
         "§2.3: progressive 1→2→4 < direct n=4": below(table, [("progressive 1→2→4", hd4)]),
         "§4.4: 1 full layer < baseline": below(table, [(one_full, BASELINE)]),
         "§4.4: all full < some < 1 full": below(table, [(all_full, hd4), (hd4, one_full)]),
-        "issue 18: token < expanded positions, right after conversion": below(
+        "RoPE: token < expanded positions, right after conversion": below(
             table, [(hd4, expanded_positions)], "converted"
         ),
-        "issue 18: token < expanded positions, after continuing": below(table, [(hd4, expanded_positions)]),
+        "RoPE: token < expanded positions, after continuing": below(table, [(hd4, expanded_positions)]),
         "§4.4: some keeps most (> half) of all-full's gain over the baseline": None,
         "Table 5 at n=4: HD(4) < sum < all-token < baseline": below(table, list(itertools.pairwise(at_4))),
         "Table 5 at n=4: every n=4 arm < baseline": below(table, [(name, BASELINE) for name in at_4[:3]]),

@@ -1,6 +1,6 @@
 """Does the LSLM find known word boundaries? Train it on a synthetic language with a fixed prefix-free
 dictionary (`hf_concept.data.synthetic_words`) next to a matched byte baseline, then report boundary
-precision / recall against the true word starts and held-out bits per byte of both (issue 28, point 4).
+precision / recall against the true word starts and held-out bits per byte of both.
 
 Every batch is fresh text (no text is seen twice); the held-out texts come from another seed. The prior
 mean is the language's word-start rate, everything else is `LSLMConfig`'s defaults unless a flag says

@@ -1,7 +1,8 @@
 """Hidden Decoding's learning results at toy scale, all by continued training of one pretrained source:
 which supervision (HD §5.1, Table 5: final stream vs every stream vs the streams' sum), how many streams
 (§4.3 and §2.3: loss against n, progressive 1 → 2 → 4 against direct), how many full cross-stream layers
-(§4.4, Table 4: 1, some, all), and issue 18's RoPE choice in intra layers (token vs expanded positions).
+(§4.4, Table 4: 1, some, all), and the RoPE choice in intra layers (token vs expanded positions; not in
+the paper).
 
 Per seed, a `transformers` `LlamaForCausalLM` (`--width`, `--layers`, heads of width 16 with half as many
 KV heads, MLPs 3× wide, untied head) is pretrained for `--pretrain-steps` on the bundled corpus's train
@@ -19,7 +20,7 @@ split and saved. Then every arm continues from it for `--continue-steps` on the 
 - "HD (n=4), 1 full layer", "HD (n=4), all full": HD (n=4) with only the default layout's first full
   layer kept (the others intra), and with every layer full; HD (n=4) itself is the "some" row;
 - "HD (n=4), expanded positions": HD (n=4) with `intra_stream_positions="expanded"` (p·n + k, the
-  paper's; issue 18 point 1);
+  paper's);
 - "all-token loss (n=4)", "sum (n=4)": Table 5's supervisions at n = 4 (not in the paper), run only when
   `--arms` names them (the default set is the ten above, so that a default run and sweep stay as they
   were).

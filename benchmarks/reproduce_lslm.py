@@ -8,7 +8,7 @@ warm-up, cosine to 10%):
 - "gpt2": `hf_concept.evaluation.byte_gpt2_baseline` at the LSLM's width (`--width`) and head width (32),
   its depth the one whose parameter count is nearest the LSLM's (`gpt2_num_parameters`); the run stops
   unless the counts are within 5%.
-- "byte": the fair baseline (issue 28), `hf_concept.evaluation.byte_decoder_baseline`: the project's own
+- "byte": the fair baseline, `hf_concept.evaluation.byte_decoder_baseline`: the project's own
   decoder (SwiGLU, RMSNorm, RoPE: the layers of the LSLM's stages) at the LSLM's width and total depth
   (`--layers` summed), heads of width 32; matched by shape, not by parameter count (it has no router,
   cross-attention or second embedding). The GPT-2 row stays for reference.
@@ -28,7 +28,7 @@ Figures (held-out split of every language; never used for any choice):
 - bits per byte: `hf_concept.evaluation.bits_per_byte` (windows of `--context`, stride context/2) with
   the softmax over the 256 byte ids (`normalization="bytes"`: a valid, decodable code for every model,
   an LSLM's eval-mode segmentation being a causal function of the bytes read), and beside it the figure
-  over all 261 ids reported before issue 28 (for an LSLM it loses the decoder's mass on `<nxt>`);
+  over all 261 ids that earlier reports gave (for an LSLM it loses the decoder's mass on `<nxt>`);
   bits per character = the same total bits / the number of characters of the scored text;
 - for lslm and dtp: the training boundary rate (sampled ends per free byte, `boundary_rate`, and the
   mean q_t, `expected_boundary_rate`, averaged over the last 10% of the steps) against the held-out
@@ -47,7 +47,7 @@ Figures (held-out split of every language; never used for any choice):
 cut at a line start; the models then train on the rest): the only data any tuning may look at.
 `--quick` is a smoke run (tiny models, 4 steps, one seed, 512 held-out bytes per language).
 
-`--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead (issue 27):
+`--corpus DIR` trains and scores on a corpus saved by `hf-concept build-corpus` instead:
 batches are windows of `--context` bytes of its train split, each read at most once, in the seed's order
 (every model of a seed reads the same ones; `benchmarks/corpus_data.py`), so no byte is seen twice and a
 run asking for more windows than the split has is refused; scored are `--heldout-bytes` bytes of each
@@ -415,7 +415,7 @@ def score_model(
     curves, and for a segmenter its boundary figures."""
     start = time.perf_counter()
     # The code length over the 256 byte ids (a valid code: each position's logits read the bytes before
-    # it alone, an LSLM's segmentation included), and over every output id as before issue 28.
+    # it alone, an LSLM's segmentation included), and over every output id as earlier reports gave it.
     bpb = renormalized_bits(model, texts, shared)
     bpb_all = runner.evaluate(model, texts, shared)
     # Bits per character: the same total bits over the text's characters instead of its bytes.

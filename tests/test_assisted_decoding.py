@@ -1,4 +1,4 @@
-"""Assisted decoding and prompt lookup (issue 19): every family cache rolls back exactly (`crop`), so
+"""Assisted decoding and prompt lookup: every family cache rolls back exactly (`crop`), so
 `generate` with a draft model or with `prompt_lookup_num_tokens` gives plain greedy's tokens."""
 
 from __future__ import annotations

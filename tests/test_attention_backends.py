@@ -1,4 +1,4 @@
-"""What the README says about attention backends holds: every family builds with eager and sdpa, and
+"""What docs/attention.md says about attention backends holds: every family builds with eager and sdpa, and
 refuses flash_attention_2 by name when the model is built (their layouts have no flash path that has run)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Honest compression figures (issue 16, point 2): besides the ratio of the boundaries a training pass
+"""Honest compression figures: besides the ratio of the boundaries a training pass
 sampled, ConceptMoE and DLCM report the ratio inference's thresholded boundaries give on the same tokens,
 ConceptTrainer logs both, and a run's headline ratio (summary table, model card) is the inference one."""
 

@@ -3,7 +3,7 @@ with a ValueError naming the field and the value, or accepts it and then builds 
 forward pass is finite. The walk covers 0, -1, inf, nan and a huge value for each field, discovered from
 the default config (fields whose default is a number) and the annotations (optional `int | None` /
 `float | None` fields). Also: `convert --ratio`, LSLM's token ids and its Beta prior, and legal values that
-earlier checks refused (a norm eps >= 1, LSLM without an eos id, ...: issue 26), which must build, run and
+earlier checks refused (a norm eps >= 1, LSLM without an eos id, ...), which must build, run and
 generate.
 """
 
@@ -31,7 +31,7 @@ EXEMPT = {
     "chunk_size_feed_forward",
 }
 BACKBONE_ACCEPTED = {
-    # eps only has to keep RMSNorm's division finite (issue 26: eps >= 1 is legal).
+    # eps only has to keep RMSNorm's division finite (eps >= 1 is legal).
     ("rms_norm_eps", 1e30),
     ("initializer_range", 0),
     ("attention_dropout", 0),
@@ -217,8 +217,8 @@ def test_convert_ratio_above_the_sources_positions_is_one_error_line(capsys, tmp
     assert not (tmp_path / "dst").exists()
 
 
-# Legal values the checks refused before issue 26 (point 15): unusual, but nothing in the math or the cache
-# breaks. Each builds, runs a finite forward and generates.
+# Legal values that earlier checks refused: unusual, but nothing in the math or the cache breaks. Each
+# builds, runs a finite forward and generates.
 RELAXED = [
     ("plain", dict(rms_norm_eps=1.0)),
     ("conceptmoe-first", dict(rms_norm_eps=2.5)),

@@ -1,4 +1,4 @@
-"""Misspelt config keyword arguments (issue 26, point 8): an unknown key that spells close to one of the
+"""Misspelt config keyword arguments: an unknown key that spells close to one of the
 config's own fields gets one warning naming the key and the field, in every family; transformers' own keys,
 unrelated extra keys and saved configs never warn."""
 

@@ -460,7 +460,7 @@ def test_the_conversion_default_keeps_a_trained_source_s_held_out_loss(tmp_path)
 
 
 def test_a_source_whose_layers_all_slide_gets_sfa_with_windows_in_tokens(tmp_path):
-    """Issue 18 point 2: intra/local layers by the documented rule, windows in tokens, no full layer, and
+    """Intra/local layers by the documented rule, windows in tokens, no full layer, and
     cached decoding past the window equals recomputation."""
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""DLCM learning paths (issue 16): the H-Net probability smoothing against its plain loop, the LM loss
+"""DLCM learning paths: the H-Net probability smoothing against its plain loop, the LM loss
 reaching the learned router through it, the rule router staying out of the LM loss's reach, and old
 configs keeping the W_s form."""
 

@@ -1,4 +1,4 @@
-"""A training forward whose loss the model does not assemble (issue 26, point 16): TRL's SFTTrainer calls
+"""A training forward whose loss the model does not assemble: TRL's SFTTrainer calls
 the backbone under its fused LM head, `Trainer` with `compute_loss_func` or label smoothing calls the
 causal LM without labels. The family's extra terms (ConceptMoE/DLCM ratio loss, LSLM prior term, Hidden
 Decoding's other streams under "all_streams" supervision) are

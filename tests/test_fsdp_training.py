@@ -10,7 +10,7 @@ step's ratio statistics are the global ones (the two ranks' micro-batches summed
 equal to one process planning the step over all four micro-batches, equal to the DDP run's); logged
 losses and final weights match the DDP run; the saved weights are the trained ones and give the logits
 the trained (sharded) model gave. Loading the saved folder as remote code does not work yet (an expected
-failure below, README "FSDP").
+failure below, docs/training.md, "FSDP").
 """
 
 from __future__ import annotations

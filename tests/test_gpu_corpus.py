@@ -1,4 +1,4 @@
-"""benchmarks/gpu_corpus.py (issue 27, point 5): the pack holds the corpus's first windows in the
+"""benchmarks/gpu_corpus.py: the pack holds the corpus's first windows in the
 reproductions' order, nothing half-written; a CPU smoke run trains and scores every family, the converted
 Hidden Decoding model reading on after its source's windows; a missing pack is refused by name."""
 

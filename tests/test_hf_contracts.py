@@ -1,9 +1,9 @@
-"""The transformers contracts users of a causal LM rely on without reading our code (issue 26, points 10–14),
+"""The transformers contracts users of a causal LM rely on without reading our code,
 across the four families: what `hidden_states` and `attentions` hold, that the returned states are the
 ones the computation uses, that assisted and prompt-lookup decoding return the same per-token outputs as
 plain greedy decoding, and that gradient checkpointing (reentrant or not) leaves the gradients unchanged.
 
-Documented layout (the model classes' docstrings; README's table), B batch, L tokens of the call:
+Documented layout (the model classes' docstrings; docs/python-api.md), B batch, L tokens of the call:
 - ConceptMoE, DLCM: `num_hidden_layers + 1` hidden states, each (B, L, ·): the embeddings, each encoder
   layer, each concept pass as a token view (the concept a token emits, `concept_views`; width Dc), each
   decoder layer (the last normed). Attentions: one entry per attention run, every one token-aligned

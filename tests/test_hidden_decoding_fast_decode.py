@@ -1,4 +1,4 @@
-"""Hidden Decoding's decode levers (issue 18, point 5) change no result: the last layer run for the final
+"""Hidden Decoding's decode levers change no result: the last layer run for the final
 stream only, the block-growing cache layers and the grouped-head sdpa call each equal the plain path."""
 
 from __future__ import annotations

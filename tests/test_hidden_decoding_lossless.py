@@ -1,4 +1,4 @@
-"""Issue 29 point 2: Hidden Decoding converts a checkpoint without loss at any n.
+"""Hidden Decoding converts a checkpoint without loss at any n.
 
 Converted with the defaults (token-block cross-stream masks, one RoPE position per token in every layer),
 an n-stream model gives its source's logits (max |Δlogit| ≤ 1e-4, fp32, a left-padded batch, real tokens)
@@ -9,7 +9,7 @@ the logits, so the comparison can fail. Growing a token-block model whose stream
 training) n → 2n keeps its logits exactly. A real shape: SmolLM2-135M's dimensions (hidden 576, 9 query /
 3 key-value heads of 64, RoPE θ 1e5, tied embeddings), 4 of its 30 layers and a smaller vocabulary,
 random weights at a trained model's logit scale (slow: about 12 s on a shared core). The real checkpoint's
-figures are in the README's Hidden Decoding conversion section.
+figures are in REPRODUCTION.md; docs/conversion.md describes the conversion.
 """
 
 from __future__ import annotations

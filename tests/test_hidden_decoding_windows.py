@@ -1,4 +1,4 @@
-"""Hidden Decoding windows in tokens (issue 18, point 2): `local_window` derives the expanded
+"""Hidden Decoding windows in tokens: `local_window` derives the expanded
 `sliding_window`, `intra_window` bounds what an intra layer sees of its own stream, and both hold in the
 fast paths, the masked reference and cached decoding."""
 

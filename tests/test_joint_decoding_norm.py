@@ -1,4 +1,4 @@
-"""Joint decoding reads normalised concepts (issue 29): gradients of the right size, step 0 unchanged.
+"""Joint decoding reads normalised concepts: gradients of the right size, step 0 unchanged.
 
 A converted checkpoint's concept is the concept layers' summed residual update (per-token RMS ~60 on
 SmolLM2, outliers ~2e4), while q/k/v_proj read the layer's RMS-normed input. Unnormalised, the zero-init

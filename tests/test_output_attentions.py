@@ -1,4 +1,4 @@
-"""`output_attentions=True` in every family (issue 19): under eager attention each family returns the
+"""`output_attentions=True` in every family: under eager attention each family returns the
 weights its output class documents, in forward and per step of `generate`; under sdpa it does what a
 transformers Llama does (a warning and an empty tuple); not asking returns None and changes nothing.
 

@@ -1,4 +1,4 @@
-"""PEFT target lists and the boundary router (issue 19, point 5; issue 26, point 17). The router's
+"""PEFT target lists and the boundary router. The router's
 projections are `chunker.boundary_query`/`boundary_key`, which no attention target list matches (they
 were `q_proj`/`k_proj`, so the usual `["q_proj", "v_proj"]` LoRA trained the segmentation);
 `hf_concept.training.LORA_ATTENTION_TARGETS` (what `hf-concept train --lora` uses) matches every

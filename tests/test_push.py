@@ -1,4 +1,4 @@
-"""`hf-concept push` and `hf_concept.hub`, offline: a recording HfApi stands in for the Hub (HF_NOTES §7).
+"""`hf-concept push` and `hf_concept.hub`, offline: a recording HfApi stands in for the Hub.
 
 The recorder keeps the `CommitOperationAdd`s of the one `create_commit` push makes, so the tests see the
 files (and the card text) the real call would send. Failures: tests/test_push_faults.py.

@@ -1,6 +1,8 @@
-"""The README's per-family quickstart, run as written: its Python blocks are executed and its command lines
-are passed to the CLI (train and generate lines get a few extra flags so that they take seconds), in a
-folder holding a tiny Llama checkpoint and a small corpus."""
+"""The quickstarts, run as written: the README's (convert, train, generate, load) and each family page's
+(docs/conceptmoe.md, docs/hidden-decoding.md, docs/dlcm.md, docs/lslm.md), each the "## Quickstart"
+section of its page. Their Python blocks are executed and their command lines are passed to the CLI
+(train and generate lines get a few extra flags so that they take seconds), in a folder holding a tiny
+Llama checkpoint and a small corpus."""
 
 from __future__ import annotations
 
@@ -12,9 +14,19 @@ import pytest
 
 from hf_concept.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 FAMILIES = ("ConceptMoE", "Hidden Decoding", "DLCM", "LSLM")
-# Appended to the README's lines (argparse keeps the last value of a repeated flag).
+# Where each quickstart lives: the README's own, then one per family page.
+PAGES = {
+    "README": README,
+    "ConceptMoE": ROOT / "docs" / "conceptmoe.md",
+    "Hidden Decoding": ROOT / "docs" / "hidden-decoding.md",
+    "DLCM": ROOT / "docs" / "dlcm.md",
+    "LSLM": ROOT / "docs" / "lslm.md",
+}
+HEADING = "## Quickstart"
+# Appended to the quickstarts' lines (argparse keeps the last value of a repeated flag).
 FAST = {
     "train": [
         "--max-steps",
@@ -34,16 +46,40 @@ CORPUS = "\n\n".join(
 )
 
 
-def quickstart_blocks(family: str) -> list[tuple[str, str]]:
-    """(language, code) of the fenced blocks of one family's quickstart paragraph, in order."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("## Quickstart per family", 1)[1].split("\n## ", 1)[0]
-    # What follows the last family (loading from the Hub) needs the network.
-    section = section.split("Drop `--dry-run`", 1)[0]
-    start = section.index(f"**{family}**")
-    following = [section.find(f"**{other}**", start + 1) for other in FAMILIES]
-    end = min([position for position in following if position > start] or [len(section)])
-    return re.findall(r"```(python|sh)\n(.*?)```", section[start:end], flags=re.S)
+def quickstart_blocks(name: str) -> list[tuple[str, str]]:
+    """(language, code) of the fenced blocks of the "## Quickstart" section of `name`'s page (a family,
+    or "README"), in order."""
+    text = PAGES[name].read_text(encoding="utf-8")
+    marker = f"\n{HEADING}\n"
+    assert marker in text, f"{PAGES[name].relative_to(ROOT)} has no '{HEADING}' section"
+    section = text.split(marker, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```(python|sh)\n(.*?)```", section, flags=re.S)
+
+
+def subcommands(blocks: list[tuple[str, str]]) -> set[str]:
+    """The `hf-concept` subcommands that the blocks' command lines run."""
+    return {
+        shlex.split(line)[1]
+        for language, code in blocks if language == "sh"
+        for line in code.replace("\\\n", " ").splitlines() if line.startswith("hf-concept ")
+    }  # fmt: skip
+
+
+def test_the_readme_quickstart_converts_trains_generates_and_loads():
+    blocks = quickstart_blocks("README")
+    assert {"convert", "train", "generate"} <= subcommands(blocks), blocks
+    python = "".join(code for language, code in blocks if language == "python")
+    assert "AutoModelForCausalLM.from_pretrained(" in python and "trust_remote_code=True" in python
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_page_has_the_full_quickstart(family):
+    """Every family page keeps the steps its quickstart had in the README: train, generate, segment, push
+    (and convert for the two families that convert)."""
+    expected = {"train", "generate", "segment", "push"}
+    if family in ("ConceptMoE", "Hidden Decoding"):
+        expected.add("convert")
+    assert expected <= subcommands(quickstart_blocks(family)), family
 
 
 @pytest.fixture
@@ -70,27 +106,27 @@ def workdir(tmp_path, monkeypatch):
     tokenizer.save_pretrained(tmp_path / "llama-checkpoint")
     (tmp_path / "corpus.txt").write_text(CORPUS, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
-    # DLCM has no tokenizer of its own: the README lets `train` fall back to the bundled one; here the
+    # DLCM has no tokenizer of its own: its quickstart lets `train` fall back to the bundled one; here the
     # tiny checkpoint's tokenizer stands in for it so that the test does not train a BPE.
     monkeypatch.setattr("hf_concept.data.bpe.bundled_tokenizer", lambda *args, **kwargs: tokenizer)
     return tmp_path
 
 
 def shrink(code: str) -> str:
-    """The README's configs at test size: same fields, smaller numbers."""
+    """The quickstarts' configs at test size: same fields, smaller numbers."""
     for field, small in (("hidden_size", 32), ("concept_hidden_size", 48), ("mup_base_width", 16)):
         code = re.sub(rf"\b{field}=\d+", f"{field}={small}", code)
     code = re.sub(r"num_attention_heads=\d+", "num_attention_heads=4", code)
     return code.replace("vocab_size=3072", "vocab_size=300")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["README", *FAMILIES])
 def test_quickstart_runs_as_written(family, workdir, capsys):
     blocks = quickstart_blocks(family)
     assert any(language == "sh" for language, _ in blocks), f"no commands for {family}"
     for language, code in blocks:
         if language == "python":
-            exec(compile(shrink(code), f"README {family}", "exec"), {})
+            exec(compile(shrink(code), f"{PAGES[family].name} {family}", "exec"), {})
             continue
         for line in code.replace("\\\n", " ").splitlines():
             line = line.split(" #", 1)[0].strip()
@@ -101,7 +137,7 @@ def test_quickstart_runs_as_written(family, workdir, capsys):
             status = main(argv)
             captured = capsys.readouterr()
             assert status == 0, f"{line}\n{captured.err[-2000:]}"
-    # The tuned checkpoint of the family's quickstart loads as anyone would load it.
+    # The tuned checkpoint of the quickstart loads as anyone would load it.
     from transformers import AutoModelForCausalLM
 
     output = [argv for argv in _train_lines(blocks)][-1]

@@ -1,4 +1,4 @@
-"""The ratio loss under the trainers users pair the concept families with (issue 17, point 1, first part):
+"""The ratio loss under the trainers users pair the concept families with:
 the three scopes, a clear error where the global scope would be counted once per accumulated micro-batch,
 and TRL's SFTTrainer, which drops the model's own ratio loss, against `ConceptSFTTrainer`, which keeps it."""
 

@@ -18,7 +18,7 @@ from tests.benchmark_scripts import load_benchmark
 from tests.sweeps import kill_at_first_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_hidden_decoding.py"
-TITLES = ("[Table 5]", "[§4.3]", "[§4.4]", "[issue 18.1]", "[directions]", "total wall time")
+TITLES = ("[Table 5]", "[§4.3]", "[§4.4]", "[RoPE]", "[directions]", "total wall time")
 
 
 def test_every_arm_is_converted_as_the_paper_describes(tmp_path):

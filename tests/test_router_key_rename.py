@@ -1,5 +1,5 @@
-"""The router's projections are `chunker.boundary_query`/`boundary_key` (issue 26, point 17): `q_proj`/
-`k_proj` matched the usual LoRA attention targets. Checkpoints saved before the rename still load —
+"""The router's projections are `chunker.boundary_query`/`boundary_key`: `q_proj`/`k_proj`
+matched the usual LoRA attention targets. Checkpoints saved before the rename still load —
 through our classes, through a remote-code folder, and through torch's `load_state_dict` (Trainer's
 resume) — with no missing or unexpected keys and the same logits."""
 

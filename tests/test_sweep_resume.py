@@ -206,7 +206,7 @@ def test_the_status_view_counts_runs_and_estimates_from_the_same_arm(tmp_path, c
     assert alone.estimate == pytest.approx(20.0)
     text = sweep.format_status(statuses)
     assert "2 done, 1 running, 1 left" in text and "0.3 min" in text and "step 3/10" in text
-    # A done run shows its held-out − training gap (issue 27's criterion) where its record has one.
+    # A done run shows its held-out − training gap where its record has one.
     assert "10.0 s, gap +0.0123" in text and "30.0 s, gap -0.0500" in text
     # The CLI reads the same from a folder.
     toy_run(tmp_path, 3)

@@ -1,4 +1,4 @@
-"""The synthetic language with known words (issue 28): a prefix-free dictionary, word starts that match the
+"""The synthetic language with known words: a prefix-free dictionary, word starts that match the
 text, Zipfian frequencies and word-to-word context, all fixed by the seeds."""
 
 from __future__ import annotations

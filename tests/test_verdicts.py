@@ -1,4 +1,4 @@
-"""The reproductions' three-way verdicts (issue 27): a claim "a < b" is reproduced or opposite only when
+"""The reproductions' three-way verdicts: a claim "a < b" is reproduced or opposite only when
 its per-seed paired differences have |mean| ≥ 2 sample std, else unresolved; a chain of claims is
 reproduced when every link is, opposite when some link is."""
 

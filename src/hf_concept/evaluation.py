@@ -24,8 +24,8 @@ mask; a causal model's logits at real positions do not depend on the padding aft
 
 lm-eval's definition (`convention="lm-eval"`): lm-evaluation-harness (`loglikelihood_rolling`, then its
 `bits_per_byte` metric) counts differently, so the two figures differ for the same model and text
-(README, "Our bits per byte and lm-eval's"). The text is encoded with the tokenizer's default special
-tokens (for the ByteTokenizer `<BoS> b_1 … b_N <eos>`) and every one of those tokens is predicted, the
+(docs/benchmarks.md, "Our bits per byte and lm-eval's"). The text is encoded with the tokenizer's default
+special tokens (for the ByteTokenizer `<BoS> b_1 … b_N <eos>`) and every one of those tokens is predicted, the
 first from a prefix token (the tokenizer's bos id, else its eos id): so `<BoS>` and `<eos>` are scored
 too, while the divisor is still the text's N UTF-8 bytes. Windows are disjoint blocks of L = `context`
 predictions (lm-eval's `max_length`; by default the model's positions): block k predicts tokens
@@ -302,7 +302,7 @@ def bits_per_byte(
             function of the tokens before it alone, as for an LSLM in eval mode, whose segmentation is a
             deterministic, causal function of the bytes read: the probability mass its decoder puts on
             `<nxt>`, `<bos>` and the other specials, which no byte of the text can take, goes back to the
-            bytes instead of being lost (issue 28).
+            bytes instead of being lost.
     """
     _check_convention(convention, normalization)
     if convention == "lm-eval":
@@ -577,7 +577,7 @@ def byte_gpt2_baseline(
 def byte_decoder_baseline(
     n_layer: int, n_embd: int, *, head_dim: int = 32, n_positions: int = 1024
 ) -> PlainDecoderForCausalLM:
-    """The fair byte baseline of an LSLM (issue 28): the project's own decoder (`PlainDecoderForCausalLM`:
+    """The fair byte baseline of an LSLM: the project's own decoder (`PlainDecoderForCausalLM`:
     SwiGLU MLPs 4x wide, RMSNorm, RoPE, the LSLM stages' layers) over the 261-id byte vocabulary, at the
     LSLM's width and total depth. Seed torch before calling for reproducible weights."""
     if n_embd % head_dim:

@@ -101,7 +101,8 @@ def _quote(text: str) -> str:
 
 def _check_model(model: Any) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    # model_type, not isinstance: a remote-code load defines its own copy of the classes (HF_NOTES §1).
+    # model_type, not isinstance: a remote-code load defines its own copy of the classes (transformers
+    # imports a checkpoint's code as a module of its own, under `transformers_modules`).
     if model_type != HIDDEN_DECODING_MODEL_TYPE or not hasattr(model, "lm_head"):
         raise ValueError(
             f"model: probe_streams needs a Hidden Decoding causal LM (config.model_type="

@@ -1,4 +1,4 @@
-"""What every family must pass (DESIGN §7), parametrised over `families.FAMILIES`.
+"""What every family must pass, parametrised over `families.FAMILIES`.
 
 All models are tiny, fp32 and seeded; comparisons state their tolerances. Token ids are drawn from
 [3, vocab) so that pad (0), bos (1) and eos (2) never appear by chance.

@@ -4,9 +4,9 @@ Usage: accelerate launch --config_file examples/accelerate/fsdp2.yaml tests/work
 
 The script runs the real command (`hf_concept.cli.main`). On a machine without a GPU it first calls
 `keep_fsdp_on_cpu`: accelerate 1.15 turns FSDP on only for accelerator devices and otherwise trains with
-plain data parallelism, silently (README, "FSDP"). torch's FSDP2 itself runs on CPU with gloo, so the
-worker puts the plugin back and everything after that (the `fully_shard` wrapping, Trainer's FSDP paths,
-the gathered full state dict at the final save) is accelerate's and Trainer's own code.
+plain data parallelism, silently (docs/training.md, "FSDP"). torch's FSDP2 itself runs on CPU with gloo,
+so the worker puts the plugin back and everything after that (the `fully_shard` wrapping, Trainer's FSDP
+paths, the gathered full state dict at the final save) is accelerate's and Trainer's own code.
 
 `RecordShardedRun` (pass `--callback tests.workers.fsdp_worker:RecordShardedRun`) writes what
 `RecordRanks` records, plus how the parameters are sharded, every training micro-batch's inputs, the

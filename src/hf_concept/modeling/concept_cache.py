@@ -1,4 +1,4 @@
-"""`ConceptCache`: the exact decoding cache of the concept-level families (DESIGN §5).
+"""`ConceptCache`: the exact decoding cache of the concept-level families (docs/ARCHITECTURE.md, §5).
 
 Legend: B batch, L tokens, C concept slots, D token width, H heads, K head dim.
 

@@ -1,4 +1,4 @@
-"""The concept-level machinery that ConceptMoE and DLCM share (DESIGN §3, §5).
+"""The concept-level machinery that ConceptMoE and DLCM share (docs/ARCHITECTURE.md, §4.1 and §4.2).
 
 Legend: B batch, L tokens (this call), C concept slots, D token width, Dc concept width.
 

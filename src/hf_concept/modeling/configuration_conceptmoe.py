@@ -2,8 +2,8 @@
 
 Every backbone field is the plain family's (same names, same meaning, same checks); the ConceptMoE
 fields split the `num_hidden_layers` layers into encoder / concept / decoder stacks and describe the chunk
-module, pooling, dechunking, joint decoding and compute reallocation (DESIGN §3). `check_fields` raises
-`ValueError` naming the field and the value.
+module, pooling, dechunking, joint decoding and compute reallocation (docs/ARCHITECTURE.md, §3.1).
+`check_fields` raises `ValueError` naming the field and the value.
 
 The fields both concept families have (layer split, boundaries, ratio loss, concept width and heads) and
 their checks are `concept_config.ConceptConfig`'s, which this config extends.
@@ -22,7 +22,7 @@ POOLING_KINDS = ("first", "sum", "mean")
 DECHUNK_RESIDUALS = ("output", "delta")
 # Joint decoding on the last J decoder layers; None means min(DEFAULT_JOINT_LAYERS, decoder_layers).
 DEFAULT_JOINT_LAYERS = 4
-# What a config saved before `joint_decoding_norm` existed meant by leaving it out (issue 29).
+# What a config saved before `joint_decoding_norm` existed meant by leaving it out.
 LEGACY_FIELDS = {"joint_decoding_norm": False}
 
 

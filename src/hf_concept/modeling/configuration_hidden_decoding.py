@@ -1,7 +1,7 @@
 """Configuration of the Hidden Decoding family (model_type "hidden_decoding").
 
 Every backbone field is the plain family's (same names, same meaning, same checks). The Hidden Decoding
-fields (HD paper §2, DESIGN §4):
+fields (HD paper §2; docs/ARCHITECTURE.md, §3.3):
 - `num_streams` (n): each token enters the backbone as n streams with their own embedding tables.
 - `stream_attention_layout`: per layer, "intra" (each stream attends to its own stream only), "local"
   (causal sliding window over the interleaved sequence, `local_window` tokens wide) or "full" (causal over
@@ -19,7 +19,7 @@ fields (HD paper §2, DESIGN §4):
 - `intra_stream_positions`: RoPE positions inside intra layers, "expanded" (p·n + k, the paper; the
   default here, for models trained from scratch) or "token" (p, one position per token; the conversion
   default, since a pretrained source knows only token distances: converting a source with held-out loss
-  5.484 to n = 4 gave 5.62 with expanded positions and 5.483 with token positions, issue 18).
+  5.484 to n = 4 gave 5.62 with expanded positions and 5.483 with token positions).
 - `cross_stream_mask`: which keys a query sees in "local" and "full" layers. "causal" (the paper's Fig. 3:
   plain causal attention over the interleaved sequence, so stream k of token i sees the streams ≤ k of
   token i; the default, and what a saved config without the field loads as) or "token_block" (every

@@ -1,4 +1,4 @@
-"""`StreamCache`: the decoding cache of the Hidden Decoding family (DESIGN §5, HD §2.2).
+"""`StreamCache`: the decoding cache of the Hidden Decoding family (HD §2.2; docs/ARCHITECTURE.md, §5).
 
 Legend: B batch, S streams (the paper's n), T cached tokens, G key/value heads, K head dim, W window.
 
@@ -12,7 +12,8 @@ One layer store per decoder layer, by the layer's stream attention kind:
   token-block cross-stream masks the model passes W = (w - 1)·S + 1 for a window of w whole tokens, so
   the layer keeps the w - 1 earlier tokens' S slots each and its mask sizes stay whole tokens.
 
-Lengths: `get_seq_length()` counts tokens, as `generate` needs (HF_NOTES §2); `get_query_offset(i)` and
+Lengths: `get_seq_length()` counts tokens, as `generate` needs (it compares that length with the input ids
+and the attention mask, which count tokens, to choose what to feed next); `get_query_offset(i)` and
 `get_mask_sizes(q, i)` speak the units of layer i (tokens for intra layers, expanded slots for the others),
 so `transformers.masking_utils` sizes each mask from the layer it is built for. `TokenUnits(cache)` speaks
 tokens in every layer, for masks built per token and then widened to the S slots of each token.
@@ -20,7 +21,8 @@ tokens in every layer, for masks built per token and then widened to the S slots
 Storage: intra and full layers append into `BlockGrowthLayer` buffers that grow by whole blocks of
 `GROWTH_BLOCK_TOKENS` tokens, so a decode step writes its n new entries in place instead of copying the
 layer's whole history (a `DynamicLayer` concatenates, which at n times the source's entries was the largest
-avoidable cost of a decode step, issue 18). `keys`/`values` are views of the filled part.
+avoidable cost of a decode step: BENCHMARKS.md, Hidden Decoding's decode profile). `keys`/`values` are
+views of the filled part.
 
 Contract: a forward over tokens [0, n) followed by one over [n, m) with this cache gives the same outputs
 as one forward over [0, m). Batch operations (`reorder_cache`, `batch_repeat_interleave`,

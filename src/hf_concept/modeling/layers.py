@@ -672,7 +672,9 @@ def init_backbone_weights(module: nn.Module, std: float) -> None:
     """Initialise one leaf module of a backbone built from these blocks; every family's `_init_weights`
     uses it.
 
-    One branch per leaf type: a parent writing into a child's weights would be skipped (HF_NOTES §4).
+    One branch per leaf type: for remote code, transformers skips `_init_weights` on a module whose own
+    parameters (not its children's) are all marked initialised, which a module with none of its own always
+    is, so a parent writing into a child's weights would be skipped.
     """
     if isinstance(module, nn.Linear):
         init.normal_(module.weight, mean=0.0, std=std)

@@ -3,7 +3,7 @@
 Legend: B batch, L tokens (this call), C concepts (new in this call), D token width, Dc concept width,
 V vocabulary.
 
-Pipeline (ConceptMoE §3, DESIGN §3), per call:
+Pipeline (ConceptMoE §3; docs/ARCHITECTURE.md, §4.1), per call:
 1. embed; encoder `DecoderLayer`s at token level (token K/V in the cache);
 2. boundaries: cosine or linear router (`chunking="dynamic"`; Bernoulli/Gaussian noise only in
    training; starts forced) or every R-th token of each document (`"fixed"`, p = 1 at openings, 0
@@ -425,7 +425,9 @@ class ConceptMoEForCausalLM(ConceptCausalLMMixin, ConceptMoEPreTrainedModel, Gen
     With `labels`, loss = LM cross-entropy (`self.loss_function`, so Trainer's `num_items_in_batch`
     applies) + `aux_loss_weight` · ratio loss (0 for fixed chunking). Scope "global" adds the ratio
     loss share (routing.py; set `ratio_accumulator` to a `RatioAccumulator` for gradient accumulation);
-    scope "sequence" is scaled by local label tokens / `num_items_in_batch` when that is given.
+    scopes "sequence" and "batch" (and "global" where a training forward without an accumulator falls
+    back to "batch") are scaled by local label tokens / `num_items_in_batch` when that is given
+    (`routing.scale_aux_loss`), as the LM loss is.
     """
 
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}

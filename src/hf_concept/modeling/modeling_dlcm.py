@@ -1,5 +1,6 @@
 """The DLCM family: token encoder -> boundaries -> W_up·mean concepts -> concept transformer -> smoothing ->
-decoder layers of self-attention, cross-attention to concepts and MLP (DLCM §3, DESIGN §3–4).
+decoder layers of self-attention, cross-attention to concepts and MLP (DLCM §3; docs/ARCHITECTURE.md,
+§3.2 and §4.2).
 
 Legend: B batch, L tokens (this call), C concepts (new in this call), N concept slots readable by tokens
 (the null concept at index 0, then the row's concepts), D token width, Dc concept width, Hx / Gx / Kx

@@ -1,12 +1,12 @@
-"""The Hidden Decoding family: every token runs through the backbone as n streams (HD paper, DESIGN §4).
+"""The Hidden Decoding family: every token runs through the backbone as n streams (HD paper).
 
 Legend: B batch, L tokens (this call), T cached tokens, S streams (the paper's n), D width, V vocabulary,
 H query heads, G key/value heads, K head dim.
 
-Pipeline: n embedding tables (one `nn.Embedding` of width S·D: row v = [E_1(v) | … | E_S(v)]) -> the
-expanded sequence, token i's stream k at expanded position i·S + k -> `DecoderLayer` x N, each with a
-stream attention kind (the layers and their kernels: stream_layers.py) -> final norm -> shared LM head on
-the final stream of each token (or, with
+Pipeline (docs/ARCHITECTURE.md, §4.3): n embedding tables (one `nn.Embedding` of width S·D: row v =
+[E_1(v) | … | E_S(v)]) -> the expanded sequence, token i's stream k at expanded position i·S + k ->
+`DecoderLayer` x N, each with a stream attention kind (the layers and their kernels:
+hidden_decoding_layers.py) -> final norm -> shared LM head on the final stream of each token (or, with
 `stream_supervision="sum"`, on the norm of the sum of the token's S streams).
 
 Stream attention kinds (config `stream_attention_layout`):

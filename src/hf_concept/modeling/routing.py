@@ -1,5 +1,6 @@
 """Boundary math shared by the concept families: router probabilities, discrete decisions, the
-straight-through factor and the ratio loss (DESIGN §3). Pure functions; no parameters live here.
+straight-through factor and the ratio loss (their paper equations: docs/ARCHITECTURE.md, §3). Pure
+functions; no parameters live here.
 
 Legend: B batch, L tokens, K query/key width, D token width.
 
@@ -321,7 +322,7 @@ def boundary_decisions(
     training: bool = False,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Hard boundaries b (B, L) bool from probabilities (DESIGN §3, discrete decision).
+    """Hard boundaries b (B, L) bool from probabilities (the discrete decision).
 
     Inference (`training=False`) or `noise="none"`: b = p ≥ threshold. Training with "bernoulli":
     b ~ Bernoulli(sharpen_probs(p, tau)) (ConceptMoE eq. 5–6). Training with "gaussian":

@@ -17,8 +17,8 @@ Counting conventions (every figure follows them):
   layer reads L keys. DLCM's concept stage (W_up on the pooled mean, the concept layers, smoothing and the
   decoder's cross-attention K/V projections) runs once per concept, i.e. 1/R of a run per token, and a
   concept layer reads M = L/R concepts. The decoder's cross-attention reads the counted form: M = L/R
-  concept keys (one K/V per concept with its log-count bias, DESIGN §4), not L replicated keys. "Without
-  attention map" drops every per-key term.
+  concept keys (one K/V per concept with its log-count bias; docs/ARCHITECTURE.md, §3.2), not L replicated
+  keys. "Without attention map" drops every per-key term.
 - Training FLOPs per token: 3 × the forward (backward ≈ 2 × forward) over a causal sequence of L tokens, so a
   query reads (L + 1)/2 keys on average, a concept (M + 1)/2 concepts. The cross-attention is counted in the
   replicated form the training kernel runs (`cross_attention="replicated"`: concept K/V repeated to the L

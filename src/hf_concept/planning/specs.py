@@ -171,7 +171,7 @@ _FLAGS = ("tie_word_embeddings", "attention_bias", "attention_output_bias", "mlp
 
 @dataclass
 class DLCMSpec:
-    """A DLCM's cost-relevant fields, named and defaulted as in `DLCMConfig` (DESIGN §4).
+    """A DLCM's cost-relevant fields, named and defaulted as in `DLCMConfig`.
 
     Token stages (encoder, decoder self-attention and MLPs) use the plain fields at d_token = hidden_size;
     the concept stage its `concept_*` fields at d_concept; the decoder's cross-attention its `cross_*`

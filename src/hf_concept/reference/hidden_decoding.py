@@ -6,7 +6,7 @@ positions, position t holding token t // S, stream t % S.
 `reference_logits(model, input_ids, attention_mask, position_ids)` recomputes a
 `HiddenDecodingForCausalLM`'s logits with the model's own weights but none of its fast paths: no folding of
 streams into the batch, no cache, no masking_utils. Each layer attends over all S·L positions through a
-dense (S·L) x (S·L) boolean mask built from the definitions (HD eq. 4, §5.2, DESIGN §4):
+dense (S·L) x (S·L) boolean mask built from the definitions (HD eq. 4, §5.2; docs/ARCHITECTURE.md, §3.3):
 - intra: same stream, earlier or equal token, fewer than `intra_window` tokens back when set; RoPE at
   p·S + k ("expanded") or p ("token");
 - shared-KV intra: itself, plus the final stream of earlier tokens;

@@ -1,7 +1,7 @@
 """Training data for `train`: read local files into documents, split, tokenize, and collate.
 
 The rules (`.txt` paragraphs, JSON records, datasets folders, block-size pieces, packing vs padding) are
-stated in `hf_concept.training.recipes`' module docstring, which users read through the README.
+stated in `hf_concept.training.recipes`' module docstring, which users read through docs/training.md.
 """
 
 from __future__ import annotations

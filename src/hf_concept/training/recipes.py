@@ -1,7 +1,7 @@
 """`train(...)`: the Python API behind `hf-concept train` — load or build a model, read and tokenize local
 data, train it with `ConceptTrainer`, and save the final model, its tokenizer and a model card.
 
-Choices (the README's "Training" section states them for users):
+Choices (docs/training.md states them for users):
 - Model: a checkpoint folder (config.json + safetensors weights) is fine-tuned; a config file, or a folder
   with config.json and no weights, is built from scratch with `seed`. Our families load through our own
   classes, whose `save_pretrained` writes the remote-code files; other model types through transformers'
@@ -562,15 +562,15 @@ def build_trainer(setup: RunSetup, args: TrainingArguments, options: TrainOption
 def check_sharding_took_effect(trainer: ConceptTrainer) -> None:
     """Refuse a run that asked for FSDP (`accelerate launch --use_fsdp` or a config with it) but that
     accelerate runs unsharded: on processes without a GPU-like device accelerate 1.15 keeps DDP and says
-    nothing (README, FSDP). Training on would silently hold every weight on every rank. (An output folder
-    the run made is removed again by `lock_output_dir`: training has not started.)"""
+    nothing (docs/training.md, "FSDP"). Training on would silently hold every weight on every rank. (An
+    output folder the run made is removed again by `lock_output_dir`: training has not started.)"""
     asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
     actual = trainer.accelerator.distributed_type
     if asked and actual != DistributedType.FSDP:
         raise TrainSetupError(
             f"FSDP was asked for (ACCELERATE_USE_FSDP={os.environ['ACCELERATE_USE_FSDP']}) but accelerate "
-            f"runs this as {actual.value}, unsharded: it enables FSDP only on GPU-like devices (README, "
-            "FSDP); launch on GPUs, or without --use_fsdp"
+            f"runs this as {actual.value}, unsharded: it enables FSDP only on GPU-like devices "
+            '(docs/training.md, "FSDP"); launch on GPUs, or without --use_fsdp'
         )
 
 

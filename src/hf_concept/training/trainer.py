@@ -2,7 +2,7 @@
 gives models with a global ratio loss the statistics of the whole optimizer step.
 
 Models return these as detached fields of their `ModelOutput`. A callback cannot add them to the logs
-(`Trainer.log` appends to `log_history` before callbacks run, HF_NOTES §4), so this subclass accumulates
+(`Trainer.log` appends to `log_history` before callbacks run), so this subclass accumulates
 them and merges them into `logs` before `Trainer.log`, which makes them reach `state.log_history` and every
 reporting integration. Each logged value is the global figure of the optimizer steps since the last log:
 - `SHARE_FIELDS` (lm_loss, aux_loss) are shares when Trainer passes `num_items_in_batch`: each
