@@ -66,10 +66,9 @@ from hf_concept.evaluation import bits_per_byte
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEModel
 from hf_concept.training.data import load_saved_dataset
 from hf_concept.training.distillation import (
-    alignment_pairs,
     distillation_kl,
-    hidden_alignment,
     label_positions,
+    mapped_alignment,
 )
 from hf_concept.training.ratio_hold import RatioHold, calibrate_threshold
 from hf_concept.training.sweep import atomic_write_json
@@ -404,12 +403,8 @@ def teacher_terms(
     kl = distillation_kl(output.logits, taught.logits, positions, args.distill_temperature)
     figures, extra = {"distill_loss": kl.item()}, kl
     if aligning:
-        pairs = alignment_pairs(concept_model(model).config, len(taught.hidden_states) - 1)
-        terms = [
-            hidden_alignment(output.hidden_states[ours], taught.hidden_states[theirs], positions)
-            for ours, theirs in pairs
-        ]
-        aligned = sum(terms) / len(terms)
+        config = concept_model(model).config
+        aligned = mapped_alignment(config, output.hidden_states, taught.hidden_states, positions)
         figures["align_loss"] = aligned.item()
         extra = extra + args.align_hidden * aligned
     return extra, figures

@@ -95,6 +95,17 @@ class RouterPass:
     keys: torch.Tensor | None
     recent: tuple[torch.Tensor, torch.Tensor] | None
 
+    @property
+    def boundary_scores(self) -> torch.Tensor | None:
+        """The scores as `ConceptModelOutput.boundary_scores` reports them: None where they are `probs`."""
+        return None if self.scores is self.probs else self.scores
+
+
+def call_documents(state: ConceptState, starts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) long: each real token's document id, counting on from the row's cached document (-1 at
+    pads)."""
+    return (state.document[:, None] + torch.cumsum(starts.long(), dim=1)).masked_fill(~mask, -1)
+
 
 def new_concept_cache(
     num_hidden_layers: int, encoder_layers: int, decoder_layers: int, passes: int
@@ -181,8 +192,10 @@ class ConceptStackMixin:
         starts: torch.Tensor,
         position_ids: torch.Tensor,
         state: ConceptState,
+        documents: torch.Tensor,
     ) -> RouterPass:
-        """The call's probabilities, decision scores, boundaries, router keys and recent window."""
+        """The call's probabilities, decision scores, boundaries, router keys and recent window;
+        `documents` (B, L) from `call_documents`."""
         config = self.config
         if config.chunking == "fixed":
             opens = fixed_boundaries(position_ids, starts, mask, int(config.compression_ratio))
@@ -190,7 +203,7 @@ class ConceptStackMixin:
             return RouterPass(probs, probs, opens, None, None)
         past_keys = state.previous_key if config.router in ("cosine", "rule") else None
         probs, keys = self.chunker(token_states, starts, mask, past_keys=past_keys)
-        scores, recent = self.decision_scores(probs, starts, mask, state)
+        scores, recent = self.decision_scores(probs, starts, mask, state, documents)
 
         def draw() -> torch.Tensor:
             if config.router == "rule":
@@ -204,13 +217,17 @@ class ConceptStackMixin:
         return RouterPass(probs, scores, opens, keys, recent)
 
     def decision_scores(
-        self, probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, state: ConceptState
+        self,
+        probs: torch.Tensor,
+        starts: torch.Tensor,
+        mask: torch.Tensor,
+        state: ConceptState,
+        documents: torch.Tensor,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(B, L) what the learned router's decisions threshold — `probs`, or under `boundary_rank_window`
         their local ranks (`concept_ranking`) — and the rows' recent window after the call (or None)."""
-        if not getattr(self.config, "boundary_rank_window", None):
+        if not self.config.boundary_rank_window:
             return probs, None
-        documents = (state.document[:, None] + torch.cumsum(starts.long(), dim=1)).masked_fill(~mask, -1)
         arguments = (probs, starts, mask, documents, state.recent_probs, state.recent_documents)
         return local_rank_scores(*arguments), recent_after(*arguments)
 
@@ -273,9 +290,14 @@ class ConceptStackMixin:
             return cache.state
         batch_size, _, width = token_states.shape
         concept_width = getattr(self.config, "concept_hidden_size", None)
-        rank_window = getattr(self.config, "boundary_rank_window", None)
         return ConceptState.empty(
-            batch_size, width, width, token_states.device, token_states.dtype, concept_width, rank_window
+            batch_size,
+            width,
+            width,
+            token_states.device,
+            token_states.dtype,
+            concept_width,
+            self.config.boundary_rank_window,
         )
 
     def run_concept_layers(

@@ -57,6 +57,7 @@ from .concept_stack import (
     ConceptCausalLMMixin,
     ConceptModelOutput,
     ConceptStackMixin,
+    call_documents,
     new_concept_cache,
 )
 from .concept_views import ConceptPassViews, concept_model_attentions, emission_index, slot_count
@@ -337,10 +338,9 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         """Boundaries, new concepts, concept model, EMA and each token's readable concept; with
         `keep_states` also each concept pass's (B, L, Dc) token view (`concept_views`)."""
         pooling = self.config.pooling
-        router = self.boundaries(token_states, mask, starts, position_ids, state)
+        documents = call_documents(state, starts, mask)  # (B, L)
+        router = self.boundaries(token_states, mask, starts, position_ids, state, documents)
         probs, opens = router.probs, router.opens
-        documents = state.document[:, None] + torch.cumsum(starts.long(), dim=1)  # (B, L)
-        documents = documents.masked_fill(~mask, -1)
         emitted = emit_concepts(
             token_states, probs, opens, mask, starts, position_ids, documents, pooling, state
         )
@@ -358,8 +358,7 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         passes = len(self.concept_layer_schedule())
         concept_width = self.config.concept_width
         pass_states = [] if views is None else views.states(passes, token_states, concept_width)
-        scores = None if router.scores is probs else router.scores
-        return _Step(token_concepts, probs, scores, opens, new_state, emission, pass_states)
+        return _Step(token_concepts, probs, router.boundary_scores, opens, new_state, emission, pass_states)
 
     def run_concept_model(
         self, emitted: EmittedConcepts, cache: ConceptCache | None, views: ConceptPassViews | None = None

@@ -63,6 +63,7 @@ from .concept_stack import (
     ConceptStackMixin,
     RouterPass,
     TokenStep,
+    call_documents,
     new_concept_cache,
 )
 from .concept_views import ConceptPassViews, concept_model_attentions, emission_index, slot_count
@@ -412,7 +413,7 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             boundaries=router.opens,
             token_mask=step_in.mask,
             document_starts=step_in.starts,
-            boundary_scores=None if router.scores is router.probs else router.scores,
+            boundary_scores=router.boundary_scores,
         )
         return output.to_tuple() if return_dict is False else output
 
@@ -430,9 +431,9 @@ class DLCMModel(ConceptStackMixin, DLCMPreTrainedModel):
             token_states, _ = layer(token_states, attention_mask=masks[layer.attention_type], **layer_kwargs)
             all_states.append(token_states)
         state = self.state_of(cache, token_states)
-        router = self.boundaries(token_states, mask, starts, position_ids, state)
+        documents = call_documents(state, starts, mask)  # (B, L)
+        router = self.boundaries(token_states, mask, starts, position_ids, state, documents)
         probs, opens = router.probs, router.opens
-        documents = (state.document[:, None] + torch.cumsum(starts.long(), dim=1)).masked_fill(~mask, -1)
         smoothing_probs = self.smoothing_probs(probs)
         emitted = emit_concepts(
             token_states, smoothing_probs, opens, mask, starts, position_ids, documents, "mean", state

@@ -102,6 +102,22 @@ def alignment_pairs(student_config: Any, teacher_layers: int) -> list[tuple[int,
     return [(first_decoder + k, teacher_layers - decoder + k + 1) for k in range(decoder)]
 
 
+def mapped_alignment(
+    student_config: Any,
+    student_states: tuple[torch.Tensor, ...],
+    teacher_states: tuple[torch.Tensor, ...],
+    positions: torch.Tensor,
+    normalizer: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """`hidden_alignment` averaged over the `alignment_pairs` of the two models' `hidden_states` tuples."""
+    pairs = alignment_pairs(student_config, len(teacher_states) - 1)
+    terms = [
+        hidden_alignment(student_states[ours], teacher_states[theirs], positions, normalizer)
+        for ours, theirs in pairs
+    ]
+    return sum(terms) / len(terms)
+
+
 def check_distillation_options(source: Any, temperature: float, align_hidden: float) -> None:
     """Refuse a temperature or weight that cannot work, and the distillation options without a source."""
     if source is None and (temperature != 1.0 or align_hidden != 0.0):
@@ -179,14 +195,9 @@ class DistillationTrainer(RecipeTrainer):
         loss = loss + scale * kl
         outputs["distill_loss"] = kl.detach()
         if aligning:
-            pairs = alignment_pairs(self.model.config, len(teacher.hidden_states) - 1)
-            terms = [
-                hidden_alignment(
-                    outputs.hidden_states[ours], teacher.hidden_states[theirs], positions, normalizer
-                )
-                for ours, theirs in pairs
-            ]
-            aligned = sum(terms) / len(terms)
+            aligned = mapped_alignment(
+                self.model.config, outputs.hidden_states, teacher.hidden_states, positions, normalizer
+            )
             loss = loss + scale * self.align_hidden * aligned
             outputs["align_loss"] = aligned.detach()
         return loss, outputs

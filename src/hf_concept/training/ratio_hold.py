@@ -72,12 +72,15 @@ def router_inputs(stack: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Te
     """(scores, starts, mask), each (B, L): what the router's decisions threshold in a forward of `stack`
     with these arguments — its probabilities, or their local ranks under `boundary_rank_window` — run
     without gradients only as far as the router (the early layers)."""
+    from ..modeling.concept_stack import call_documents
+
     found = []
 
     def stop(chunker: nn.Module, inputs: tuple, output: tuple) -> None:
         token_states, starts, mask = inputs[:3]
         # A measuring forward has no cache: its rows start from the empty state.
-        scores, _ = stack.decision_scores(output[0], starts, mask, stack.state_of(None, token_states))
+        state = stack.state_of(None, token_states)
+        scores, _ = stack.decision_scores(output[0], starts, mask, state, call_documents(state, starts, mask))
         found.append((scores, starts, mask))
         raise _RouterReachedError
 
