@@ -604,7 +604,7 @@ def matched_threshold(model: nn.Module, args: argparse.Namespace) -> tuple[float
 def lslm_rows(name: str, model: nn.Module, args: argparse.Namespace, texts: dict[str, str]) -> list[dict]:
     """The trained LSLM evaluated as configured (threshold 0.5), then as "NAME@rate": with its
     `boundary_threshold` set so that inference closes segments at the rate training samples them."""
-    generator_steps = None if getattr(args, "lslm_joint", False) else model.config.update_schedule
+    generator_steps = None if getattr(args, "lslm_joint", False) else (model.config.update_schedule or None)
     row = trained_row(name, model, args, texts, generator_steps)
     rows = [{**row, "elbo_view": evaluate_elbo_view(model, texts, args)}]
     rate, threshold = matched_threshold(model, args)

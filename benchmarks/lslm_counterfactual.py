@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     model = synthetic.lslm_model(args, prior_mean=round(rate, 3))
     started = time.perf_counter()
-    interleave = None if args.joint else model.config.update_schedule
+    interleave = None if args.joint else (model.config.update_schedule or None)
     log = train(model, args, language, random.Random(args.seed), interleave)
     result = {"argv": sys.argv[1:] if argv is None else argv, "log": log}
     result.update(synthetic.evaluate(model, heldout, args.context), seconds=time.perf_counter() - started)

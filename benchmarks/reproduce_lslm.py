@@ -377,7 +377,7 @@ def run_model(
     `--sweep-dir` as a resumable run of the sweep."""
     shared = runner_args(args, seed, name)
     model = build_model(args, name, seed)
-    generator_steps = None if name != "lslm" else model.config.update_schedule
+    generator_steps = None if name != "lslm" else (model.config.update_schedule or None)
     print(
         f"[seed {seed}] training {name} ({model.num_parameters()} parameters), {args.steps} steps", flush=True
     )

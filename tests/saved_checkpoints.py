@@ -23,6 +23,10 @@ NEW_TOKENS = 12
 # what a folder saved by hf_concept 0.1.0 before transformers 5.24 carries.
 LEGACY_CODE_COMMIT = "e9e2d37"
 LEGACY_CODE_DIR = "src/hf_concept/modeling"
+# Config values newer than the legacy commits, as their code wrote them: the joint LSLM schedule
+# (`update_schedule` 0) came later and older code refuses it. A training field: the greedy tokens compared
+# do not depend on it.
+OLDER_CONFIG_VALUES = {"update_schedule": (0, 1)}
 
 GREEDY_SCRIPT = """
 import json, sys
@@ -132,5 +136,15 @@ def legacy_copies(saved: dict[str, str], folder: Path, commit: str = LEGACY_CODE
     for name, path in saved.items():
         legacy[name] = str(folder / name)
         shutil.copytree(path, legacy[name])
+        write_older_config_values(Path(legacy[name]) / "config.json")
         put_legacy_code(Path(legacy[name]), commit)
     return legacy
+
+
+def write_older_config_values(path: Path) -> None:
+    """Rewrite the fields of OLDER_CONFIG_VALUES in the config file `path` as the older code saved them."""
+    config = json.loads(path.read_text())
+    for name, (newer, older) in OLDER_CONFIG_VALUES.items():
+        if config.get(name, older) == newer:
+            config[name] = older
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

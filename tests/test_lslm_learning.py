@@ -207,7 +207,8 @@ def test_inference_closes_at_the_rate_training_samples():
 
 def test_defaults_follow_the_paper_and_an_unreachable_threshold_warns(caplog):
     config = LSLMConfig()
-    assert (config.prior_mean, config.kl_weight, config.update_schedule) == (0.7, 1.0, 1)
+    # Joint updates (0) are the project's default, not the paper's k = 1 interleaving.
+    assert (config.prior_mean, config.kl_weight, config.update_schedule) == (0.7, 1.0, 0)
     assert (config.boundary_rule, config.prior_loss) == ("rate", "beta_binomial")
     with caplog.at_level(logging.WARNING):
         LSLMConfig(prior_mean=0.2, boundary_threshold=0.5, boundary_rule="threshold")

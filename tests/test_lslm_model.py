@@ -130,23 +130,22 @@ def test_training_lowers_the_loss_and_the_router_learns():
     assert losses[-1] < 0.8 * losses[0]
 
 
-def test_interleaved_updates_touch_one_group_per_step(tmp_path):
-    """k = 2: optimizer steps 0, 1 update the generative model only, step 2 the router only, and so on."""
+def moved_groups(tmp_path, update_schedule: int) -> list[tuple[bool, bool]]:
+    """(router moved, anything else moved) at each of 6 `Trainer` steps under `InterleavedUpdates`."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    model = lslm(update_schedule=2).train()
+    model = lslm(update_schedule=update_schedule).train()
     batch = encode("interleaved updates", "交互に更新する")
     rows = [
         {"input_ids": ids[mask.bool()], "labels": ids[mask.bool()]}
         for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
     ]
-    snapshots = []
+    snapshots = [{name: p.detach().clone() for name, p in model.named_parameters()}]
 
     class Record(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
 
-    start = {name: p.detach().clone() for name, p in model.named_parameters()}
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=6,
@@ -158,19 +157,27 @@ def test_interleaved_updates_touch_one_group_per_step(tmp_path):
         logging_steps=100,
         use_cpu=True,
     )
-    trainer = Trainer(
-        model=model, args=args, train_dataset=rows * 3, callbacks=[InterleavedUpdates(), Record()]
-    )
-    trainer.train()
-    previous = start
-    for step, snapshot in enumerate(snapshots):
-        moved = {name for name in snapshot if not torch.equal(snapshot[name], previous[name])}
-        router = {name for name in moved if is_inference_parameter(name)}
-        if step % 3 == 2:
-            assert router and router == moved, (step, sorted(moved)[:3])
-        else:
-            assert moved and not router, (step, sorted(router))
-        previous = snapshot
+    callbacks = [InterleavedUpdates(), Record()]
+    Trainer(model=model, args=args, train_dataset=rows * 3, callbacks=callbacks).train()
+    moved = []
+    for previous, snapshot in itertools.pairwise(snapshots):
+        names = {name for name in snapshot if not torch.equal(snapshot[name], previous[name])}
+        router = {name for name in names if is_inference_parameter(name)}
+        moved.append((bool(router), bool(names - router)))
+    return moved
+
+
+def test_interleaved_updates_touch_one_group_per_step(tmp_path):
+    """k = 2: optimizer steps 0, 1 update the generative model only, step 2 the router only, and so on."""
+    expected = [(step % 3 == 2, step % 3 != 2) for step in range(6)]
+    assert moved_groups(tmp_path, 2) == expected
+
+
+def test_the_default_schedule_updates_both_groups_at_every_step(tmp_path):
+    """update_schedule=0, the default: every optimizer step updates the generator and the router, so the
+    generator gets as many updates as a baseline at equal steps."""
+    assert LSLMConfig().update_schedule == 0
+    assert moved_groups(tmp_path, 0) == [(True, True)] * 6
 
 
 @pytest.mark.parametrize(
@@ -179,7 +186,7 @@ def test_interleaved_updates_touch_one_group_per_step(tmp_path):
         (dict(pooling="first"), "pooling='first'"),
         (dict(prior_mean=1.5), "prior_mean=1.5"),
         (dict(kl_weight=-1.0), "kl_weight=-1.0"),
-        (dict(update_schedule=0), "update_schedule=0"),
+        (dict(update_schedule=-1), "update_schedule=-1"),
         (dict(decoder_hidden_size=30), "decoder_hidden_size=30"),
         (dict(num_hidden_layers=3), "num_hidden_layers=3"),
     ],

@@ -582,7 +582,7 @@ FAMILIES: list[FamilySpec] = [
         model_class=_lslm_class,
         lora_target_modules=("q_proj", "v_proj", "fc_in", "fc_out"),
         remote_code_files=LSLM_CODE,
-        invalid_values=(("kl_weight", -1.0), ("update_schedule", 0), ("boundary_threshold", 1.5)),
+        invalid_values=(("kl_weight", -1.0), ("update_schedule", -1), ("boundary_threshold", 1.5)),
         force_boundaries=_saturated_router,
         logged_metrics=("lm_loss", "kl_loss", "boundary_rate", "compression_ratio"),
     ),

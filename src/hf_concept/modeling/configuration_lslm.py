@@ -48,8 +48,11 @@ the prior's term:
 - "kl": KL(Bernoulli(q_t) ‖ Bernoulli(`prior_mean`)) per byte, the i.i.d. form, which pins every q_t at
   the prior mean;
 - "binomial": DTP's count prior −log Binomial(k; n, `prior_mean`) (a Beta of infinite concentration).
-`update_schedule` = k: k generator steps, then one inference-network step. Defaults follow the paper's
-best setting: prior mean 0.7, β = `kl_weight` = 1, interleaving with k = 1.
+`update_schedule`: 0 (default) updates the generator and the router together at every optimizer step,
+so the generator gets as many updates as any baseline at equal steps; k ≥ 1 is the paper's interleaving
+(§2.6), k generator steps then one inference-network step, which gives the generator only k/(k + 1)
+of the updates. Saved configs carry their value, so a checkpoint trained interleaved resumes
+interleaved. The other defaults follow the paper's best setting: prior mean 0.7, β = `kl_weight` = 1.
 
 The segment decoder knows which segment it continues: with `decoder_latest_segment` (default True) the
 latest encoded segment s'_m (the null segment before the first), projected to the decoder's width, is
@@ -151,7 +154,7 @@ class LSLMConfig(PlainDecoderConfig):
     boundary_estimator: str = "straight_through"
     segment_end_loss: bool = True
     decoder_latest_segment: bool = True
-    update_schedule: int = 1
+    update_schedule: int = 0
     boundary_threshold: float = 0.5
     boundary_rule: str = "rate"
     boundary_source: str = "router"
@@ -223,7 +226,7 @@ class LSLMConfig(PlainDecoderConfig):
         for name in ("token_encoder_layers", "segment_encoder_layers", "decoder_layers"):
             _check_int(name, getattr(self, name), high=MAX_COUNT)
         super().check_fields()
-        _check_int("update_schedule", self.update_schedule)
+        _check_int("update_schedule", self.update_schedule, low=0)
         self._check_stages()
         parse_pooling_method(self.pooling)
         if self.pooling not in ("mean",) and not self.pooling.startswith("hops:"):

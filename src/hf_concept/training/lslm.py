@@ -1,5 +1,6 @@
-"""LSLM's interleaved optimisation (LSLM §2.6): k optimizer steps update the generative model θ
-(everything but the router), then one step updates the inference network φ (the router).
+"""LSLM's update schedules: joint (`update_schedule=0`, the default: every optimizer step updates the
+generative model θ and the inference network φ together) or the paper's interleaving (LSLM §2.6, k ≥ 1:
+k optimizer steps update θ, everything but the router, then one step updates φ, the router).
 
 The rule is `drop_other_group_gradients`: just before optimizer step s (0-based) it sets to None the
 gradients of the group that step s does not update, so torch's optimizers leave those parameters — and
@@ -22,19 +23,26 @@ def is_inference_parameter(name: str) -> bool:
 
 
 def update_phase(step: int, generator_steps: int) -> str:
-    """ "generator" or "inference": which group optimizer step `step` (0-based) updates, for k =
-    `generator_steps` (steps s with s % (k + 1) == k update the router)."""
-    if not (isinstance(generator_steps, int) and generator_steps >= 1):
-        raise ValueError(f"generator_steps={generator_steps!r} must be a positive integer")
+    """ "joint", "generator" or "inference": which group optimizer step `step` (0-based) updates, for k =
+    `generator_steps` (0: both at every step; k ≥ 1: steps s with s % (k + 1) == k update the router)."""
+    if not (
+        isinstance(generator_steps, int) and not isinstance(generator_steps, bool) and generator_steps >= 0
+    ):
+        raise ValueError(f"generator_steps={generator_steps!r} must be 0 (joint) or a positive integer")
+    if generator_steps == 0:
+        return "joint"
     return "inference" if step % (generator_steps + 1) == generator_steps else "generator"
 
 
 def drop_other_group_gradients(model: nn.Module, step: int, generator_steps: int) -> str:
     """Set `.grad = None` on the parameters that optimizer step `step` must not update; returns the phase.
 
-    Generator steps keep every gradient but the router's, inference steps only the router's.
+    Generator steps keep every gradient but the router's, inference steps only the router's, joint steps
+    every gradient.
     """
     phase = update_phase(step, generator_steps)
+    if phase == "joint":
+        return phase
     keep_router = phase == "inference"
     for name, parameter in model.named_parameters():
         if is_inference_parameter(name) != keep_router:
@@ -43,14 +51,15 @@ def drop_other_group_gradients(model: nn.Module, step: int, generator_steps: int
 
 
 class InterleavedUpdates(TrainerCallback):
-    """`Trainer` callback: steps s with s % (k + 1) == k update the router only, the others the rest.
+    """`Trainer` callback: steps s with s % (k + 1) == k update the router only, the others the rest; with
+    k = 0 every step updates both (nothing is dropped).
 
     `generator_steps` is k; None reads the model config's `update_schedule`.
     """
 
     def __init__(self, generator_steps: int | None = None) -> None:
-        if generator_steps is not None and not (isinstance(generator_steps, int) and generator_steps >= 1):
-            raise ValueError(f"generator_steps={generator_steps!r} must be None or a positive integer")
+        if generator_steps is not None:
+            update_phase(0, generator_steps)  # raises for anything but 0 or a positive integer
         self.generator_steps = generator_steps
 
     def phase(self, step: int, generator_steps: int) -> str:
