@@ -508,8 +508,19 @@ class Run:
         self.write()
 
 
-# Arguments a resumed run may change: its budget and where it writes.
-RESUMABLE_CHANGES = ("minutes", "max_steps", "json", "save", "checkpoint_every_minutes", "threads")
+# Arguments a resumed run may change: its budget, where it writes and what it evaluates when, none of which
+# the trained weights depend on.
+RESUMABLE_CHANGES = (
+    "minutes",
+    "max_steps",
+    "json",
+    "save",
+    "checkpoint_every_minutes",
+    "threads",
+    "eval_every_steps",
+    "eval_every_minutes",
+    "eval_splits",
+)
 
 
 class Checkpoint:
@@ -737,13 +748,17 @@ def tiny_source(folder: Path) -> Path:
 
 
 def quick_fixture(folder: Path) -> tuple[Path, Path]:
-    """`tiny_source`, and a train / validation / held_out DatasetDict cut from the bundled corpus
-    (paragraphs; validation and held_out alternate): the --quick stand-ins."""
+    """The --quick stand-ins: `tiny_source` and `bundled_corpus`."""
+    return tiny_source(folder), bundled_corpus(folder)
+
+
+def bundled_corpus(folder: Path) -> Path:
+    """A train / validation / held_out DatasetDict cut from the bundled corpus (paragraphs; validation and
+    held_out alternate), saved to folder/corpus: a corpus in the built corpus's layout, in seconds."""
     from datasets import Dataset, DatasetDict
 
     from hf_concept.data.corpus import corpus_documents
 
-    source = tiny_source(folder)
     rows: dict[str, list[dict]] = {"train": [], "validation": [], "held_out": []}
     for split in ("train", "validation"):
         for name, text in corpus_documents(split):
@@ -763,7 +778,7 @@ def quick_fixture(folder: Path) -> tuple[Path, Path]:
     DatasetDict({split: Dataset.from_list(items) for split, items in rows.items()}).save_to_disk(
         folder / "corpus"
     )
-    return source, folder / "corpus"
+    return folder / "corpus"
 
 
 QUICK = dict(

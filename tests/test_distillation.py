@@ -180,7 +180,10 @@ def distill_workspace(tmp_path_factory) -> Path:
     root = make_workspace(tmp_path_factory.mktemp("distill"))
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": 97})).save_pretrained(root / "source")
+    source = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": 97}))
+    with torch.no_grad():
+        source.lm_head.weight *= 8  # peaked distributions, as `tiny_pair`'s: the conversion then differs
+    source.save_pretrained(root / "source")
     tokenizer.save_pretrained(root / "source")
     convert_to_conceptmoe(root / "source", root / "converted", encoder_layers=1, decoder_layers=1)
     return root
@@ -256,9 +259,9 @@ def test_a_source_that_cannot_teach_is_refused_in_one_line(distill_workspace, tm
     assert not out.exists()
 
 
-def test_distillation_runs_with_lora_the_held_ratio_and_accumulation(distill_workspace, tmp_path):
-    root, out = distill_workspace, tmp_path / "out"
-    argv = [root / "converted", "--data", root / "corpus.txt", "--output-dir", out, "--max-steps", "2"]
+def test_distillation_with_lora_the_held_ratio_and_accumulation_lowers_the_kl(distill_workspace, tmp_path):
+    root = distill_workspace
+    argv = [root / "converted", "--data", root / "corpus.txt", "--max-steps", "12", "--block-size", "32"]
     options = [
         "--lora",
         "--hold-ratio",
@@ -267,20 +270,26 @@ def test_distillation_runs_with_lora_the_held_ratio_and_accumulation(distill_wor
         "--per-device-train-batch-size",
         "2",
     ]
-    teaching = [
-        "--distill-from",
-        root / "source",
-        "--logging-steps",
-        "1",
-        "--save-steps",
-        "2",
-        "--block-size",
-        "32",
-    ]
-    assert run_train(*argv, *options, *teaching) == 0
-    state = json.loads((out / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    options += ["--learning-rate", "3e-3", "--logging-steps", "1", "--save-steps", "12"]
+    teaching = ["--distill-from", root / "source"]
+    assert run_train(*argv, *options, *teaching, "--output-dir", tmp_path / "distilled") == 0
+    assert run_train(*argv, *options, "--output-dir", tmp_path / "lm") == 0
+    state = json.loads(
+        (tmp_path / "distilled" / "checkpoints" / "checkpoint-12" / "trainer_state.json").read_text()
+    )
     logged = [entry for entry in state["log_history"] if "distill_loss" in entry]
-    assert len(logged) == 2 and all(entry["distill_loss"] > 0 for entry in logged)
+    assert len(logged) == 12 and all(entry["distill_loss"] > 0 for entry in logged)
+    # On paragraphs neither run trained on, the merged distilled student is closer to its source than the
+    # same recipe without the teacher (same batches and seed; measured 0.27 against 0.61).
+    tokenizer = AutoTokenizer.from_pretrained(root / "converted")
+    texts = [json.loads(line)["text"] for line in (root / "records.jsonl").read_text().splitlines()]
+    held = [{"input_ids": ids[:24]} for ids in tokenizer(texts)["input_ids"] if len(ids) >= 24]
+    source = LlamaForCausalLM.from_pretrained(root / "source").eval()
+    lm_only, distilled = (
+        kl_to(source, ConceptMoEForCausalLM.from_pretrained(tmp_path / name), held)
+        for name in ("lm", "distilled")
+    )
+    assert distilled < 0.8 * lm_only, (lm_only, distilled)
 
 
 def test_a_lossy_hidden_decoding_conversion_is_taught_by_its_source(tmp_path):
