@@ -80,7 +80,8 @@ def byte_rows(tokenizer, split: str, seq_len: int, count: int, seed: int) -> lis
 
 
 def train_lslm(sizes: LSLMDemoSizes, seed: int, work: Path) -> tuple[Any, Any, dict[str, float]]:
-    """(model, tokenizer, figures): train with ConceptTrainer + InterleavedUpdates (the config's schedule) on byte crops."""
+    """(model, tokenizer, figures): train with ConceptTrainer + InterleavedUpdates (the config's schedule)
+    on byte crops."""
     import torch
     from transformers import default_data_collator
 

@@ -28,8 +28,9 @@ Choices (docs/training.md states them for users):
 - DLCM μP: the param groups of `hf_concept.training.mup` whenever the config sets `mup_base_width` (or
   `mup=True`); `learning_rate`, if given, is the base rate η of all three groups, else the config's
   `mup_*_learning_rate` fields are.
-- LSLM: `InterleavedUpdates` with the config's `update_schedule` (0, joint: it drops nothing). Its loss is normalised by Trainer's
-  `num_items_in_batch` (the step's predicted bytes), like HF causal LMs, so accumulation adds up exactly.
+- LSLM: `InterleavedUpdates` with the config's `update_schedule` (0, joint: it drops nothing). Its loss is
+  normalised by Trainer's `num_items_in_batch` (the step's predicted bytes), like HF causal LMs, so
+  accumulation adds up exactly.
 - Output: Trainer checkpoints go to `output_dir/checkpoints`, each written under a hidden staging name and
   renamed once complete (`hf_concept.training.checkpoints`); the final model is written into a staging
   folder inside `output_dir` and moved into place with config.json last, so an interrupted save never
