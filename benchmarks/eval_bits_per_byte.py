@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lslm-prior", type=float, default=0.2, help="Beta prior mean (boundary rate)")
     parser.add_argument("--lslm-kl-weight", type=float, default=1.0, help="β, the KL term's weight")
     parser.add_argument(
-        "--lslm-update-schedule", type=int, default=3, help="k generator steps per router step"
+        "--lslm-update-schedule", type=int, default=3, help="k generator steps per router step (0: joint)"
     )
     parser.add_argument(
         "--lslm-prior-loss", choices=PRIOR_LOSSES, default="kl", help="KL to Bernoulli or DTP's binomial"
@@ -604,7 +604,7 @@ def matched_threshold(model: nn.Module, args: argparse.Namespace) -> tuple[float
 def lslm_rows(name: str, model: nn.Module, args: argparse.Namespace, texts: dict[str, str]) -> list[dict]:
     """The trained LSLM evaluated as configured (threshold 0.5), then as "NAME@rate": with its
     `boundary_threshold` set so that inference closes segments at the rate training samples them."""
-    generator_steps = None if getattr(args, "lslm_joint", False) else (model.config.update_schedule or None)
+    generator_steps = None if getattr(args, "lslm_joint", False) else model.config.update_schedule
     row = trained_row(name, model, args, texts, generator_steps)
     rows = [{**row, "elbo_view": evaluate_elbo_view(model, texts, args)}]
     rate, threshold = matched_threshold(model, args)

@@ -317,7 +317,7 @@ def run_family(family: str, args: argparse.Namespace, pack: dict, work: Path, bu
     print(f"[{family}] {arm}: {model.num_parameters()} parameters, {budget_s:.0f} s", flush=True)
     first = 0
     if family == "lslm":
-        figures = train_for(model, pack["bytes"], budget_s, args, (model.config.update_schedule or None))
+        figures = train_for(model, pack["bytes"], budget_s, args, model.config.update_schedule)
         heldout, unit = heldout_bits(model, meta["heldout_texts"], meta["context"], args), "bits per byte"
     else:
         windows = pack["tokens"]

@@ -200,7 +200,7 @@ def train(model, args, language, rng: random.Random, interleave: int | None) -> 
         seen["gold"] = gold
         output = model(input_ids=batch, labels=batch)
         extra, measured = torch.zeros(()), None
-        if interleave is None or update_phase(step, interleave) == "inference":
+        if interleave is None or update_phase(step, interleave) != "generator":
             extra, measured = feedback_loss(model, seen, gold, args, int(batch[:, 1:].numel()))
         optimizer.zero_grad(set_to_none=True)
         backward(model, output, extra, seen, args)
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     model = synthetic.lslm_model(args, prior_mean=round(rate, 3))
     started = time.perf_counter()
-    interleave = None if args.joint else (model.config.update_schedule or None)
+    interleave = None if args.joint else model.config.update_schedule
     log = train(model, args, language, random.Random(args.seed), interleave)
     result = {"argv": sys.argv[1:] if argv is None else argv, "log": log}
     result.update(synthetic.evaluate(model, heldout, args.context), seconds=time.perf_counter() - started)

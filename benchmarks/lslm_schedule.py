@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_bits_per_byte as runner
 import reproduce_lslm as reproduce
-from eval_bits_per_byte import cell, mean_std
+from eval_bits_per_byte import cell, mean_std, seed_differences
 
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.tables import format_table
+from hf_concept.training.sweep import atomic_write_json
 
 # arm -> (update_schedule k, steps as a multiple of --steps)
 ARMS = {"joint": (0, 1), "interleaved": (1, 1), "interleaved-matched": (1, 2)}
@@ -85,7 +86,7 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, fit: dict, texts: dic
     model = LSLMForCausalLM(runner.lslm_config(shared, shared.lslm[0]))
     print(f"[seed {seed}] {arm}: k = {generator_steps}, {arm_args.steps} steps", flush=True)
     started = time.perf_counter()
-    _, step = runner.trainer(model, shared, generator_steps or None, reproduce.token_rows(fit))
+    _, step = runner.trainer(model, shared, generator_steps, reproduce.token_rows(fit))
     history = [step(index) for index in range(arm_args.steps)]
     record = reproduce.score_model(model, "lslm", seed, shared, texts, history, time.perf_counter() - started)
     updates = arm_args.steps * generator_steps // (generator_steps + 1) if generator_steps else arm_args.steps
@@ -94,17 +95,14 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, fit: dict, texts: dic
 
 
 def differences(runs: list[dict], arm: str) -> dict[str, list[float]]:
-    """Per language, `arm` − joint bits per byte per seed (both present)."""
-    by_key = {(run["arm"], run["seed"]): run for run in runs}
-    seeds = sorted(seed for name, seed in by_key if name == arm and (BASELINE, seed) in by_key)
-    languages = list(by_key[(arm, seeds[0])]["bits_per_byte"]) if seeds else []
+    """Per language, `arm` − joint bits per byte per seed (`runner.seed_differences`)."""
+    arm_runs = [run for run in runs if run["arm"] == arm]
+    joint_runs = [run for run in runs if run["arm"] == BASELINE]
     return {
-        language: [
-            by_key[(arm, seed)]["bits_per_byte"][language]
-            - by_key[(BASELINE, seed)]["bits_per_byte"][language]
-            for seed in seeds
-        ]
-        for language in languages
+        language: seed_differences(
+            arm_runs, joint_runs, lambda run, language=language: run["bits_per_byte"][language]
+        )
+        for language in (arm_runs[0]["bits_per_byte"] if arm_runs else ())
     }
 
 
@@ -133,13 +131,9 @@ def report(runs: list[dict], arms: list[str]) -> dict:
 
 
 def write(args: argparse.Namespace, runs: list[dict], **figures) -> None:
-    """The record so far, to --json through a temporary file renamed into place."""
-    if not args.json:
-        return
-    path = Path(args.json)
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(json.dumps(dict(args=vars(args), runs=runs, **figures), indent=2, default=str))
-    staging.replace(path)
+    """The record so far, to --json, all or nothing (a killed sweep resumes from it)."""
+    if args.json:
+        atomic_write_json(Path(args.json), dict(args=vars(args), runs=runs, **figures))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -197,13 +197,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     torch.manual_seed(seed)
     model = lslm_model(args, prior_mean=round(word_rate, 3))
     started = time.perf_counter()
-    train(
-        model,
-        args,
-        language,
-        random.Random(seed),
-        None if args.joint else (model.config.update_schedule or None),
-    )
+    train(model, args, language, random.Random(seed), None if args.joint else model.config.update_schedule)
     result["lslm"] = evaluate(model, heldout, args.context)
     result["lslm"]["seconds"] = time.perf_counter() - started
     result["lslm"]["parameters"] = sum(p.numel() for p in model.parameters())

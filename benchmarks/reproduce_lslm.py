@@ -17,12 +17,13 @@ warm-up, cosine to 10%):
   wide, and `LSLMConfig`'s defaults, the paper's setting: the Beta prior on the boundary rate (mean 0.7,
   concentration 100, `prior_loss="beta_binomial"`), β = `kl_weight` = 1, mean ("dynamic") pooling with
   the Gumbel-sigmoid straight-through estimator into the pooling matrix, the latest segment in the
-  decoder's input, interleaved updates with k = 1 (`hf_concept.training.lslm.drop_other_group_gradients`:
-  even steps update everything but the router, odd steps the router only), and `boundary_rule="rate"`.
+  decoder's input, the config's update schedule (`update_schedule`: joint updates by default; the rows of
+  REPRODUCTION.md were trained with the paper's interleaving, k = 1, the default then), and
+  `boundary_rule="rate"`.
 - "dtp": the same LSLM (same weights at step 0) with `prior_loss="binomial"` (DTP's count prior,
-  −log Binomial(k; n, 0.7), weighted by `kl_weight`), all parameters updated at every step (no
-  interleaving). DTP's own hourglass architecture is NOT implemented: this row is "dynamic pooling with
-  DTP's prior" inside LSLM's architecture.
+  −log Binomial(k; n, 0.7), weighted by `kl_weight`), all parameters updated at every step whatever
+  the config's schedule. DTP's own hourglass architecture is NOT implemented: this row is "dynamic
+  pooling with DTP's prior" inside LSLM's architecture.
 
 Figures (held-out split of every language; never used for any choice):
 - bits per byte: `hf_concept.evaluation.bits_per_byte` (windows of `--context`, stride context/2) with
@@ -377,7 +378,7 @@ def run_model(
     `--sweep-dir` as a resumable run of the sweep."""
     shared = runner_args(args, seed, name)
     model = build_model(args, name, seed)
-    generator_steps = None if name != "lslm" else (model.config.update_schedule or None)
+    generator_steps = None if name != "lslm" else model.config.update_schedule
     print(
         f"[seed {seed}] training {name} ({model.num_parameters()} parameters), {args.steps} steps", flush=True
     )
@@ -495,7 +496,8 @@ def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
     shapes = dict(
         gpt2=f"GPT-2 {gpt2_depth(args)} layers",
         byte=f"the project's decoder, {sum(args.layers)} layers (the LSLM's depth)",
-        lslm=f"LSLM {'+'.join(map(str, args.layers))} layers, paper defaults, interleaved k=1",
+        lslm=f"LSLM {'+'.join(map(str, args.layers))} layers, config defaults (update_schedule "
+        f"{LSLMConfig().update_schedule})",
         dtp=f"LSLM {'+'.join(map(str, args.layers))} layers, binomial prior, joint",
     )
     for name, count in counts.items():
