@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--encoder-layers", type=int, default=2)
     parser.add_argument("--decoder-layers", type=int, default=2)
     parser.add_argument("--router-init", choices=("random", "identity"), default="random")
+    parser.add_argument(
+        "--freeze-router",
+        action="store_true",
+        help="train everything else but keep the router's weights as converted (--hold-ratio still moves "
+        "its threshold): do the router's moving decisions cost the concept layers?",
+    )
     parser.add_argument("--answer-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -376,8 +382,11 @@ def is_new(name: str) -> bool:
     return any(f".{part}." in f".{name}." for part in NEW_MODULES)
 
 
-def prepare_training(model: ConceptMoEForCausalLM, mode: str, rank: int) -> nn.Module:
-    """The model to train under `mode` (peft-wrapped for "lora"), with requires_grad set."""
+def prepare_training(
+    model: ConceptMoEForCausalLM, mode: str, rank: int, freeze_router: bool = False
+) -> nn.Module:
+    """The model to train under `mode` (peft-wrapped for "lora"), with requires_grad set; the router
+    (`chunker`) frozen with `freeze_router`."""
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -387,6 +396,8 @@ def prepare_training(model: ConceptMoEForCausalLM, mode: str, rank: int) -> nn.M
         if mode == "all" or is_new(name):
             parameter.requires_grad_(True)
         elif mode == "new":
+            parameter.requires_grad_(False)
+        if freeze_router and ".chunker." in f".{name}.":
             parameter.requires_grad_(False)
     return model
 
@@ -699,7 +710,7 @@ def recover(source: Path, corpus: Path, scratch: Path, run: Run) -> dict:
     model = converted_model(source, scratch / "converted", args)
     if state is None:
         run.record["answers"]["before"] = answers(model, tokenizer, args.answer_tokens)
-    model = prepare_training(model, args.train, args.lora_rank)
+    model = prepare_training(model, args.train, args.lora_rank, args.freeze_router)
     counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
     run.record["trainable_parameters"] = sum(count for count, trains in counts if trains)
     run.record["parameters"] = sum(count for count, _ in counts)

@@ -106,3 +106,16 @@ def test_a_killed_run_resumes_where_its_checkpoint_stands(tmp_path):
     assert set(cells) == set(resumed["source"]["held_out"]["cells"])
     with pytest.raises(SystemExit, match="other arguments"):
         script.main([*common, "--max-steps", "4", "--lr", "0.5", "--checkpoint", str(tmp_path / "cut")])
+
+
+def test_freeze_router_keeps_the_router_out_of_training(tmp_path):
+    script = load_benchmark("recover_conceptmoe")
+    source = script.tiny_source(tmp_path / "source")
+    for mode in ("all", "new", "lora"):
+        args = script.parse_args(["--quick", "--train", mode, "--freeze-router"])
+        model = script.prepare_training(script.converted_model(source, tmp_path / mode, args), mode, 4, True)
+        trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+        assert trainable and not any(".chunker." in f".{name}." for name in trainable), mode
+    args = script.parse_args(["--quick", "--train", "all"])
+    model = script.prepare_training(script.converted_model(source, tmp_path / "free", args), "all", 4)
+    assert all(parameter.requires_grad for parameter in model.parameters())
