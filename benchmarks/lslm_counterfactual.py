@@ -4,11 +4,12 @@ the synthetic language with known words.
 For a sparse set of bytes per row (one every `--gap`, random offset), the decoder is run again with those
 decisions flipped (no gradient, same token states), and each flip's advantage of ending,
 A_i = cost(z_i = 0) − cost(z_i = 1), is the change in the decoder's loss over the `--window` bytes from i
-(byte targets only with `--bytes-only`; else `<nxt>` targets too). Under an otherwise fixed sample this is
-the exact derivative of the expected cost with respect to q_i ("local expectation"), truncated to the
-window. With `--rest inferred` the flips are made against inference's deterministic decisions instead of
-the training sample. The script prints A at true word starts against other bytes, and the AUC of that
-ordering, as training goes, and can feed A back to the router (`--feedback`):
+(byte targets only with `--bytes-only`; else `<nxt>` targets too where the objective scores them). Under
+an otherwise fixed sample this is the exact derivative of the expected cost with respect to q_i ("local
+expectation"), truncated to the window. With `--rest inferred` the flips are made against inference's
+deterministic decisions instead of the training sample. The script prints A at true word starts against
+other bytes, and the AUC of that ordering, as training goes, and can feed A back to the router
+(`--feedback`):
 
 - `surrogate`: loss −Σ_i A_i q_i · gap / predicted bytes (optionally centred over the flips);
 - `rank`: binary cross-entropy of the router's logits at the flips toward "A in the top prior_mean share";
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_concept.data.synthetic_words import SyntheticWords
+from hf_concept.modeling.lslm_loss import scored_targets
 from hf_concept.modeling.lslm_segmental import flipped
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET
 from hf_concept.training.lslm import drop_other_group_gradients, is_inference_parameter, update_phase
@@ -83,14 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def column_costs(model, view, token_states, segmentation, bytes_only: bool) -> torch.Tensor:
-    """(B, T) the decoder's loss charged to each view column: its own slot's target (the next byte or
-    `<nxt>`) plus, where it opens a segment, its `<bos>` slot's (the byte itself)."""
+    """(B, T) the decoder's loss charged to each view column: its own slot's target (the next byte, or
+    `<nxt>` when the objective scores it: `segment_end_loss`) plus, where it opens a segment, its `<bos>`
+    slot's (the byte itself)."""
     inner = model.model
     segments, valid, documents = inner.encode_segments(token_states, segmentation, view)
     slots = inner.decoder_slots(view, segmentation)
     logits = model.lm_head(inner.decode(slots, segments, valid, documents)).float()  # (B, S, V)
     targets = slots.targets
-    kept = targets >= BYTE_OFFSET if bytes_only else targets != -100
+    kept = targets >= BYTE_OFFSET if bytes_only else scored_targets(targets, model.config)
     losses = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none") * kept
     last = losses.shape[1] - 1
     own = torch.gather(losses, 1, slots.token_slot.clamp(0, last)) * view.mask

@@ -1,5 +1,6 @@
 """LSLM at toy scale: does a latent-segment LM beat a parameter-matched byte GPT-2 on Chinese and Japanese
-(LSLM Table 1, §4.1), and does it learn a non-uniform segmentation? Three seeds, three models, one runner.
+(LSLM Table 1, §4.1), and does it learn a non-uniform segmentation? Three seeds, six models and two
+count references, one runner.
 
 Models, per seed (each built right after `torch.manual_seed(seed)`), trained one after the other on the
 very same batches (`eval_bits_per_byte.train`: crops of `--context` tokens of the en/zh/ja `train` split,
@@ -17,13 +18,18 @@ warm-up, cosine to 10%):
   wide, and `LSLMConfig`'s defaults, the paper's setting: the Beta prior on the boundary rate (mean 0.7,
   concentration 100, `prior_loss="beta_binomial"`), β = `kl_weight` = 1, mean ("dynamic") pooling with
   the Gumbel-sigmoid straight-through estimator into the pooling matrix, the latest segment in the
-  decoder's input, the config's update schedule (`update_schedule`: joint updates by default; the rows of
-  REPRODUCTION.md were trained with the paper's interleaving, k = 1, the default then), and
-  `boundary_rule="rate"`.
+  decoder's input, the config's update schedule (`update_schedule`: joint updates by default; rows of
+  REPRODUCTION.md dated before the change were trained with the paper's interleaving, k = 1), the
+  decoder's bytes scored without its `<nxt>` markers (`segment_end_loss`, off by default since the
+  hierarchy was measured apart; earlier rows scored them), and `boundary_rule="rate"`.
 - "dtp": the same LSLM (same weights at step 0) with `prior_loss="binomial"` (DTP's count prior,
   −log Binomial(k; n, 0.7), weighted by `kl_weight`), all parameters updated at every step whatever
   the config's schedule. DTP's own hourglass architecture is NOT implemented: this row is "dynamic
   pooling with DTP's prior" inside LSLM's architecture.
+- "every" and "random": the "lslm" row with `boundary_source="every"` (every byte its own segment) and
+  `"random"` (ends at fixed random bytes at the prior mean): the hierarchy without the router.
+- "unigram" and "bigram" (references, nothing trained): add-one unigram and interpolated bigram counts
+  of the bytes of the very batches the seed's models read (`lslm_rows.count_references`).
 
 Figures (held-out split of every language; never used for any choice):
 - bits per byte: `hf_concept.evaluation.bits_per_byte` (windows of `--context`, stride context/2) with
@@ -39,7 +45,11 @@ Figures (held-out split of every language; never used for any choice):
   whitespace-separated word (en) or each UTF-8 character start (zh, ja: bytes not 0b10xxxxxx), beside
   the share of gold bytes (the precision of segments placed at random); the ELBO view
   (`eval_bits_per_byte.evaluate_elbo_view`: the `<nxt>` bits the decoder spends on top of the bytes);
-  one example line per language, segments shown by `|`.
+  one example line per language, segments shown by `|`;
+- for every LSLM row: its bits per byte under other evaluation segmentations, the trained model
+  unchanged (`lslm_rows.swapped_scores`): random ends at its own held-out rate (a router's; the prior
+  mean for "every" and "random") from another hash seed, and every byte its own segment, with the paired
+  differences own − swapped (a decoder that uses its segments loses when they are replaced).
 - wall time per model (train, eval) and in total; mean ± sample std over the seeds, per-seed values and
   the per-step training curves (loss; sampled boundary rate for lslm and dtp) in `--json`; `--png` draws
   the curves (matplotlib, the `plots` extra; without it the tables are printed and the picture skipped).
@@ -87,11 +97,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import corpus_data
 import eval_bits_per_byte as runner
-from eval_bits_per_byte import cell, mean_std
+import lslm_rows
+from lslm_report import (
+    LSLM_ROWS,
+    by_model,
+    directions,
+    print_boundary_tables,
+    print_score_tables,
+    print_segmentation_tables,
+    print_timings,
+)
 
 from hf_concept.data import LANGUAGES, load_text
 from hf_concept.evaluation import (
-    bits_per_byte,
     byte_decoder_baseline,
     byte_gpt2_baseline,
     gpt2_num_parameters,
@@ -100,18 +118,17 @@ from hf_concept.evaluation import (
 )
 from hf_concept.modeling.configuration_lslm import LSLMConfig
 from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
-from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID, ByteTokenizer
-from hf_concept.tables import format_table
+from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
 from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
-MODELS = ("gpt2", "byte", "lslm", "dtp")
+MODELS = ("gpt2", "byte", "lslm", "dtp", "every", "random")
 # Matched by parameters (within MAX_PARAMETER_GAP); "byte" is matched by width and depth instead.
-PARAMETER_MATCHED = ("gpt2", "lslm", "dtp")
-SEGMENTED = ("lslm", "dtp")
+PARAMETER_MATCHED = ("gpt2", "lslm", "dtp", "every", "random")
+# The LSLM rows whose segment ends a `boundary_source` other than the router decides.
+SOURCE_ROWS = ("every", "random")
 HEAD_WIDTH = 32
 MAX_PARAMETER_GAP = 0.05
-RATE_TOLERANCE = 0.2
 VALIDATION_FRACTION = 0.1
 EXAMPLE_CHARS = 48
 # The per-step training curves kept in `--json` and drawn by `--png` (boundary rate: lslm and dtp only).
@@ -191,8 +208,11 @@ def build_model(args: argparse.Namespace, name: str, seed: int) -> torch.nn.Modu
     """Model `name` freshly initialised from `seed`; the GPT-2 at the depth that matches the LSLM."""
     shared = runner_args(args, seed, name)
     torch.manual_seed(seed)
-    if name in SEGMENTED:
-        return LSLMForCausalLM(runner.lslm_config(shared, shared.lslm[0]))
+    if name in LSLM_ROWS:
+        config = runner.lslm_config(shared, shared.lslm[0])
+        if name in SOURCE_ROWS:
+            config.boundary_source = name
+        return LSLMForCausalLM(config)
     if name == "byte":
         return byte_decoder_baseline(
             sum(args.layers), args.width, head_dim=HEAD_WIDTH, n_positions=args.context
@@ -378,7 +398,7 @@ def run_model(
     `--sweep-dir` as a resumable run of the sweep."""
     shared = runner_args(args, seed, name)
     model = build_model(args, name, seed)
-    generator_steps = None if name != "lslm" else model.config.update_schedule
+    generator_steps = None if name in ("gpt2", "byte", "dtp") else model.config.update_schedule
     print(
         f"[seed {seed}] training {name} ({model.num_parameters()} parameters), {args.steps} steps", flush=True
     )
@@ -417,7 +437,7 @@ def score_model(
     start = time.perf_counter()
     # The code length over the 256 byte ids (a valid code: each position's logits read the bytes before
     # it alone, an LSLM's segmentation included), and over every output id as earlier reports gave it.
-    bpb = renormalized_bits(model, texts, shared)
+    bpb = lslm_rows.renormalized_bits(model, texts, shared)
     bpb_all = runner.evaluate(model, texts, shared)
     # Bits per character: the same total bits over the text's characters instead of its bytes.
     bpc = {language: bpb[language] * len(text.encode()) / len(text) for language, text in texts.items()}
@@ -426,9 +446,10 @@ def score_model(
                   bits_per_char=bpc)  # fmt: skip
     kept = [key for key in CURVES if all(key in step for step in history)]
     record["curves"] = {key: [step[key] for step in history] for key in kept}
-    if name in SEGMENTED:
+    if name in LSLM_ROWS:
         record.update(train_rates=train_rates(history), boundary_rule=model.config.boundary_rule,
                       heldout=evaluate_segmenter(model, shared, texts))  # fmt: skip
+        record["eval_segmentations"] = lslm_rows.swapped_scores(model, record, shared, texts)
     record["eval_seconds"] = time.perf_counter() - start
     return record
 
@@ -448,20 +469,35 @@ def heldout_gap(record: dict, history: list[dict], train_bytes: dict[str, int]) 
     return heldout - statistics.fmean(train)
 
 
-def renormalized_bits(model: torch.nn.Module, texts: dict[str, str], shared: argparse.Namespace) -> dict:
-    """Bits per byte per language with the softmax over the 256 byte ids (`normalization="bytes"`)."""
-    tokenizer = ByteTokenizer()
-    return {
-        language: bits_per_byte(
-            model,
-            tokenizer,
-            text,
-            context=shared.context,
-            batch_size=shared.batch_size,
-            normalization="bytes",
-        ).bits_per_byte
-        for language, text in texts.items()
-    }
+def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
+    print(f"\n[models] width {args.width} everywhere, heads of width {HEAD_WIDTH}")
+    shapes = dict(
+        gpt2=f"GPT-2 {gpt2_depth(args)} layers",
+        byte=f"the project's decoder, {sum(args.layers)} layers (the LSLM's depth)",
+        lslm=f"LSLM {'+'.join(map(str, args.layers))} layers, config defaults (update_schedule "
+        f"{LSLMConfig().update_schedule})",
+        dtp=f"LSLM {'+'.join(map(str, args.layers))} layers, binomial prior, joint",
+        every="the LSLM, every byte its own segment (boundary_source='every')",
+        random="the LSLM, random ends at the prior mean (boundary_source='random')",
+    )
+    for name, count in counts.items():
+        print(f"{name:<6} {count:>9} parameters ({count / counts['lslm'] - 1:+.1%} vs lslm)  {shapes[name]}")
+
+
+def reference_runs(args: argparse.Namespace, seed: int, fit: dict | None, data: dict | None, texts: dict):
+    """The byte-count references of `seed` (`lslm_rows.count_references`), counted over the very batches
+    the models of the seed read, as run records."""
+    source = data if data is not None else dict(rows=token_rows(fit))
+    _, draw_batch = corpus_data.batch_source(source, args, seed)
+    start = time.perf_counter()
+    scores = lslm_rows.count_references(draw_batch, args.steps, texts)
+    seconds = time.perf_counter() - start
+    runs = []
+    for name, bpb in scores.items():
+        bpc = {lang: bpb[lang] * len(text.encode()) / len(text) for lang, text in texts.items()}
+        runs.append(dict(model=name, seed=seed, bits_per_byte=bpb, bits_per_byte_all_ids=bpb, curves={},
+                         bits_per_char=bpc, train_seconds=seconds, eval_seconds=0.0))  # fmt: skip
+    return runs
 
 
 def draw(runs: list[dict], path: str) -> bool:
@@ -482,145 +518,6 @@ def draw(runs: list[dict], path: str) -> bool:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return True
-
-
-def by_model(runs: list[dict]) -> dict[str, list[dict]]:
-    grouped: dict[str, list[dict]] = {}
-    for run in runs:
-        grouped.setdefault(run["model"], []).append(run)
-    return grouped
-
-
-def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
-    print(f"\n[models] width {args.width} everywhere, heads of width {HEAD_WIDTH}")
-    shapes = dict(
-        gpt2=f"GPT-2 {gpt2_depth(args)} layers",
-        byte=f"the project's decoder, {sum(args.layers)} layers (the LSLM's depth)",
-        lslm=f"LSLM {'+'.join(map(str, args.layers))} layers, config defaults (update_schedule "
-        f"{LSLMConfig().update_schedule})",
-        dtp=f"LSLM {'+'.join(map(str, args.layers))} layers, binomial prior, joint",
-    )
-    for name, count in counts.items():
-        print(f"{name:<5} {count:>9} parameters ({count / counts['lslm'] - 1:+.1%} vs lslm)  {shapes[name]}")
-
-
-def print_score_tables(runs: list[dict], split: str) -> None:
-    grouped, cells = by_model(runs), list(runs[0]["bits_per_byte"])
-    fields = (
-        ("bits_per_byte", "bits per byte (softmax over the 256 byte ids)"),
-        ("bits_per_byte_all_ids", "bits per byte (softmax over all 261 ids, the pre-issue-28 figure)"),
-        ("bits_per_char", "bits per character (byte-id softmax)"),
-    )
-    for field, title in fields:
-        print(f"\n[{split} {title}] mean ± std over seeds")
-        rows = [
-            [name, *(cell([r[field][lang] for r in group]) for lang in cells)]
-            for name, group in grouped.items()
-        ]
-        print(format_table(["model", *cells], rows, align="<>", widths=(6, *[18] * len(cells)), sep=""))
-    print("\n[paired differences, bits per byte] per seed (same batches), mean ± std; < 0: first is better")
-    rows = []
-    for first, second in (
-        ("lslm", "byte"),
-        ("lslm", "gpt2"),
-        ("dtp", "byte"),
-        ("lslm", "dtp"),
-        ("byte", "gpt2"),
-    ):
-        pairs = list(zip(grouped[first], grouped[second], strict=True))
-        texts = [
-            cell([a["bits_per_byte"][lang] - b["bits_per_byte"][lang] for a, b in pairs]) for lang in cells
-        ]
-        rows.append([f"{first}-{second}", *texts])
-    print(format_table(["pair", *cells], rows, align="<>", widths=(12, *[18] * len(cells)), sep=""))
-
-
-def rate_rows(group: list[dict]) -> dict[str, list[float]]:
-    return dict(
-        sampled=[run["train_rates"]["boundary_rate"] for run in group],
-        mean_q=[run["train_rates"]["expected_boundary_rate"] for run in group],
-        heldout=[run["heldout"]["pooled_rate"] for run in group],
-        ratio=[run["heldout"]["pooled_rate"] / run["train_rates"]["boundary_rate"] for run in group],
-    )
-
-
-def print_boundary_tables(runs: list[dict], split: str) -> None:
-    grouped = {name: group for name, group in by_model(runs).items() if name in SEGMENTED}
-    cells = list(runs[0]["bits_per_byte"])
-    print(f"\n[boundary rate: training (last 10% of steps) vs {split} inference, all languages pooled]")
-    titles = ("model", "train sampled", "train mean q", f"{split} rate", "ratio", "within ±20%")
-    table = []
-    for name, group in grouped.items():
-        rows = rate_rows(group)
-        within = all(abs(ratio - 1) <= RATE_TOLERANCE for ratio in rows["ratio"])
-        figures = [cell(rows[key]) for key in ("sampled", "mean_q", "heldout", "ratio")]
-        table.append([name, *figures, f"{'yes' if within else 'NO'} (every seed)"])
-    widths = (6, 16, 16, 16, 16, None)
-    print(format_table(titles, table, align="<>>>><", widths=widths, sep=("", "", "", "", "  ")))
-    print(f"\n[{split} segmentation] opens vs word starts (en), UTF-8 character starts (zh, ja)")
-    print("(gold rate: the share of gold bytes, i.e. the precision of segments opened at random)")
-    header = ("model", "lang", "rate", "bytes/seg", "precision", "recall", "gold rate", "<nxt> bits/B")
-    keys = ("rate", "bytes_per_segment", "precision", "recall", "gold_rate", "boundary_bits")
-    table = []
-    for name, group in grouped.items():
-        for language in cells:
-            figures = [run["heldout"]["languages"][language] for run in group]
-            table.append([name, language, *(cell([c[key] for c in figures]) for key in keys)])
-    print(format_table(header, table, align="<>", widths=(6, 13, *[16] * len(keys)), sep=""))
-    print(
-        f"\n[{split} examples, seed {runs[0]['seed']}] '|': a segment opens at the character; '·': inside it"
-    )
-    for name, group in grouped.items():
-        for language in cells:
-            print(f"{name:<5} {language}: {group[0]['heldout']['languages'][language]['example']}")
-
-
-def print_timings(runs: list[dict], wall: float, args: argparse.Namespace) -> None:
-    print(f"\n[wall time] {args.threads} torch threads, seeds {','.join(map(str, args.seeds))}")
-    rows = []
-    for name, group in by_model(runs).items():
-        train_s, eval_s = [r["train_seconds"] for r in group], [r["eval_seconds"] for r in group]
-        rows.append([name, cell(train_s, 1), cell(eval_s, 1), f"{sum(train_s) + sum(eval_s):.1f}"])
-    headers = ("model", "train s/seed", "eval s/seed", "all seeds s")
-    print(format_table(headers, rows, align="<>", widths=(6, 16, 16, 14), sep=""))
-    print(f"total wall time: {wall:.1f} s ({wall / 60:.1f} min)")
-
-
-def directions(runs: list[dict]) -> dict[str, bool | str]:
-    """The paper's directions (held-out or validation, as run): "LSLM below a model" per cell is
-    `runner.paired_verdict` on the per-seed paired differences (same seed, same batches); English's
-    "about equal to the byte baseline" and the segment checks are yes / no."""
-    grouped = by_model(runs)
-
-    def stats(name: str, language: str) -> tuple[float, float]:
-        return mean_std([run["bits_per_byte"][language] for run in grouped[name]])
-
-    def below(name: str, language: str) -> str:
-        differences = runner.seed_differences(
-            grouped["lslm"], grouped[name], lambda run: run["bits_per_byte"][language]
-        )
-        return runner.paired_verdict(differences)
-
-    cells = list(runs[0]["bits_per_byte"])
-    verdict: dict[str, bool | str] = {
-        f"lslm<{baseline} {lang}": below(baseline, lang)
-        for baseline in ("gpt2", "byte")
-        for lang in cells
-        if lang.split("/")[0] in ("zh", "ja")
-    }
-    for lang in (name for name in cells if name.split("/")[0] == "en"):
-        verdict[f"lslm<=byte+1std {lang}"] = stats("lslm", lang)[0] <= sum(stats("byte", lang))
-    verdict.update({f"lslm<dtp {lang}": below("dtp", lang) for lang in cells})
-    for name in SEGMENTED:
-        verdict[f"{name} precision>chance all"] = all(
-            c["precision"] > c["gold_rate"]
-            for run in grouped[name]
-            for c in run["heldout"]["languages"].values()
-        )
-        verdict[f"{name} rate within ±20%"] = all(
-            abs(r - 1) <= RATE_TOLERANCE for r in rate_rows(grouped[name])["ratio"]
-        )
-    return verdict
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -648,8 +545,10 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in args.seeds
         for name in MODELS
     ]
+    runs += [run for seed in args.seeds for run in reference_runs(args, seed, fit, data, texts)]
     wall = time.perf_counter() - start
     print_score_tables(runs, split)
+    print_segmentation_tables(runs, split)
     print_boundary_tables(runs, split)
     print_timings(runs, wall, args)
     verdict = directions(runs)

@@ -168,7 +168,7 @@ def test_the_target_estimator_reaches_the_router_at_every_free_byte():
     has a next byte in its document (through that byte's slot target, and inside a segment through the
     pooling)."""
     segmentation = router_pass(
-        tiny_lslm(kl_weight=0.0, boundary_estimator="straight_through_targets").train()
+        tiny_lslm(kl_weight=0.0, boundary_estimator="straight_through_targets", segment_end_loss=True).train()
     )
     free = ~segmentation.forced[0]
     free[-1] = False  # the last byte has no next byte (here it is `<eos>`, forced anyway)

@@ -232,20 +232,29 @@ def test_labels_follow_the_loop_reference(make_batch, seed):
     assert (targets != -100).sum() < (layout.slots.targets != -100).sum()
 
 
-def test_forward_trains_the_labelled_targets():
-    model, batch = lslm(), marked_batch()
+def scored(targets: torch.Tensor, config) -> torch.Tensor:
+    """The decoder targets the objective counts: every kept one, `<nxt>` only with `segment_end_loss`."""
+    kept = targets != -100
+    return kept if config.segment_end_loss else kept & (targets != config.segment_end_token_id)
+
+
+@pytest.mark.parametrize("segment_end_loss", [False, True])
+def test_forward_trains_the_labelled_targets(segment_end_loss):
+    model, batch = lslm(segment_end_loss=segment_end_loss), marked_batch()
     labels = batch["input_ids"].masked_fill(torch.rand(batch["input_ids"].shape) < 0.3, -100)
     with torch.no_grad():
         outputs = model(**batch, labels=labels)
         layout = model.model.parallel_pass(batch["input_ids"], batch["attention_mask"])
         slot_logits = model.lm_head(layout.slot_states)
     targets = label_targets(layout, labels, model.config.segment_end_token_id)
-    kept = targets != -100
+    kept = scored(targets, model.config)
+    assert bool((targets[targets != -100] == model.config.segment_end_token_id).any())
     assert_close(outputs.lm_loss, F.cross_entropy(slot_logits[kept], targets[kept]))
 
 
-def test_loss_is_the_negative_elbo_per_predicted_byte():
-    model = lslm(kl_weight=0.5, prior_alpha=1.0, prior_beta=4.0)
+@pytest.mark.parametrize("segment_end_loss", [False, True])
+def test_loss_is_the_negative_elbo_per_predicted_byte(segment_end_loss):
+    model = lslm(kl_weight=0.5, prior_alpha=1.0, prior_beta=4.0, segment_end_loss=segment_end_loss)
     batch = encode("two rows of", "rather different lengths")
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     with torch.no_grad():
@@ -253,7 +262,7 @@ def test_loss_is_the_negative_elbo_per_predicted_byte():
         shared = model(**batch, labels=labels, num_items_in_batch=torch.tensor(7))
         layout = model.model.parallel_pass(batch["input_ids"], batch["attention_mask"])
     predicted = (labels[:, 1:] != -100).sum()
-    targets = (layout.slots.targets != -100).sum()
+    targets = scored(layout.slots.targets, model.config).sum()
     free = (layout.view.mask & ~layout.segmentation.forced).sum()
     negative_elbo = outputs.lm_loss * targets + 0.5 * outputs.kl_loss * free
     assert_close(outputs.loss, negative_elbo / predicted)

@@ -107,7 +107,10 @@ def test_elbo_parts_and_forced_boundaries():
     assert_close(outputs.kl_loss, kl)
     # The negative ELBO per predicted byte (T - 1 of them: labels shift inside).
     with torch.no_grad():
-        targets = (model.model.parallel_pass(input_ids, None).slots.targets != -100).sum()
+        slot_targets = model.model.parallel_pass(input_ids, None).slots.targets
+    # Every byte's target counts; the segments' <nxt> targets do not (no `segment_end_loss` by default).
+    targets = ((slot_targets != -100) & (slot_targets != model.config.segment_end_token_id)).sum()
+    assert targets == input_ids.shape[1] - 1
     elbo = outputs.lm_loss * targets + 0.5 * outputs.kl_loss * free.sum()
     assert_close(outputs.loss, elbo / (input_ids.shape[1] - 1))
     assert outputs.boundary_rate.item() == pytest.approx(segmentation.ends[0, free].float().mean().item())

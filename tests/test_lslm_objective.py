@@ -125,19 +125,25 @@ def test_without_the_segment_end_term_the_objective_drops_exactly_the_nxt_cross_
 
 
 def test_segment_end_loss_is_validated_and_a_config_saved_without_it_keeps_the_term(tmp_path):
-    assert LSLMConfig().segment_end_loss is True
+    # Off by default (eq. 4 as written); on where a saved config says so or predates the field.
+    assert LSLMConfig().segment_end_loss is False
     for value in ("no", 0, None):
         with pytest.raises(ValueError, match="segment_end_loss"):
             LSLMConfig(**TINY, segment_end_loss=value)
-    with pytest.raises(ValueError, match="segment_end_loss=False"):
-        LSLMConfig(**TINY, segment_end_loss=False, boundary_estimator="straight_through_targets")
+    for given in ({}, {"segment_end_loss": False}):
+        with pytest.raises(ValueError, match=r"segment_end_loss=False.*pass segment_end_loss=True"):
+            LSLMConfig(**TINY, **given, boundary_estimator="straight_through_targets")
+    assert LSLMConfig(**TINY, segment_end_loss=True, boundary_estimator="straight_through_targets")
     for dropped in (("segment_end_loss",), ("segment_end_loss", "boundary_estimator", "prior_loss")):
         saved = LSLMConfig(**TINY).to_dict()
         for field in dropped:
             saved.pop(field)
         (tmp_path / "config.json").write_text(json.dumps(saved))
         assert LSLMConfig.from_pretrained(tmp_path).segment_end_loss is True
-    LSLMConfig(**TINY, segment_end_loss=False).save_pretrained(tmp_path)
+    for value in (False, True):
+        LSLMConfig(**TINY, segment_end_loss=value).save_pretrained(tmp_path)
+        assert LSLMConfig.from_pretrained(tmp_path).segment_end_loss is value
+    LSLMConfig(**TINY).save_pretrained(tmp_path)
     assert LSLMConfig.from_pretrained(tmp_path).segment_end_loss is False
     for field, value in (("prior_loss", "beta_kl"), ("boundary_estimator", "segmental")):
         assert getattr(LSLMConfig(**TINY, **{field: value}), field) == value

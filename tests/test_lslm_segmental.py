@@ -211,8 +211,8 @@ def test_the_advantages_of_a_left_padded_batch_are_the_loop_references(monkeypat
     captured = []
     original = lslm_segmental.flip_advantages
 
-    def keep(model, layout, labels, free):
-        captured.append((layout.segmentation.ends, free, original(model, layout, labels, free)))
+    def keep(model, layout, labels, free, flips):
+        captured.append((layout.segmentation.ends, free, original(model, layout, labels, free, flips)))
         return captured[-1][-1]
 
     monkeypatch.setattr(lslm_segmental, "flip_advantages", keep)
@@ -234,3 +234,40 @@ def test_the_advantages_of_a_left_padded_batch_are_the_loop_references(monkeypat
             assert float(advantages[index, offset + column]) == pytest.approx(
                 float(expected), rel=1e-6, abs=1e-9
             )
+
+
+def test_a_flip_budget_weights_the_flipped_bytes_and_leaves_the_others_out(monkeypatch):
+    """`segmental_flips` = k: k free bytes per row are flipped, each advantage weighted by n / k, the
+    other bytes get no router gradient; k at or above a row's free bytes is the exact estimator."""
+    ids = torch.cat([row(9), row(9).flip(1)])
+    captured = []
+    original = lslm_segmental.local_expectation_surrogate
+
+    def keep(logits, advantages, decided):
+        captured.append((advantages, decided))
+        return original(logits, advantages, decided)
+
+    monkeypatch.setattr(lslm_segmental, "local_expectation_surrogate", keep)
+    for budget in (0, 9, 3):
+        model = tiny_lslm(boundary_estimator="segmental", segmental_flips=budget).double().train()
+        torch.manual_seed(2)
+        model(input_ids=ids, labels=ids).loss.backward()
+    (exact, free), (same, same_free), (sampled, chosen) = captured
+    assert torch.equal(same_free, free) and torch.allclose(same, exact)
+    assert torch.equal(chosen.sum(dim=1), torch.tensor([3, 3])) and not bool((chosen & ~free).any())
+    # Same sample (same seed): the flipped bytes' advantages are the exact ones × n / k.
+    weights = (free.sum(dim=1) / 3.0)[:, None]
+    assert torch.allclose(sampled[chosen], (exact * weights)[chosen]) and not bool(sampled[~chosen].any())
+
+
+def test_drawn_flips_are_uniform_and_unbiased():
+    free = torch.tensor([[False, True, True, True, True, False], [True, True, False, False, False, False]])
+    torch.manual_seed(0)
+    draws = [lslm_segmental.chosen_flips(free, 2) for _ in range(4000)]
+    # Row 0: 2 of its 4 free bytes each time (weight 2); row 1 has only 2: both, weight 1.
+    assert all(chosen.sum(dim=1).tolist() == [2, 2] for chosen, _ in draws)
+    assert all(weights.tolist() == [2.0, 1.0] for _, weights in draws)
+    frequency = torch.stack([chosen.double() * weights[:, None] for chosen, weights in draws]).mean(0)
+    assert torch.allclose(frequency, free.double(), atol=0.05)
+    with pytest.raises(ValueError, match="segmental_flips=-1"):
+        tiny_lslm(segmental_flips=-1)

@@ -1,5 +1,6 @@
-"""Keeps benchmarks/reproduce_lslm.py from rotting: `--quick` trains the three models (one seed, a few
-steps) in a subprocess and prints every table with finite figures, and its JSON holds them per seed."""
+"""Keeps benchmarks/reproduce_lslm.py from rotting: `--quick` trains its models (one seed, a few steps) in
+a subprocess and prints every table with finite figures, and its JSON holds them per seed; the byte-count
+references against a plain count."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.benchmark_scripts import load_benchmark
 from tests.sweeps import kill_at_first_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_lslm.py"
-MODELS = ("gpt2", "byte", "lslm", "dtp")
+MODELS = ("gpt2", "byte", "lslm", "dtp", "every", "random")
+REFERENCES = ("unigram", "bigram")
 LANGUAGES = ("en", "zh", "ja")
 TITLES = (
     "[models]",
@@ -24,6 +27,7 @@ TITLES = (
     "[held-out bits per byte (softmax over all 261 ids",
     "[held-out bits per character (byte-id softmax)]",
     "[paired differences, bits per byte]",
+    "[held-out bits per byte under other evaluation segmentations]",
     "[boundary rate: training",
     "[held-out segmentation]",
     "[held-out examples, seed 0]",
@@ -57,7 +61,7 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
     # Every score row: one "mean ± std" cell per language, for each model.
     for title in ("[held-out bits per byte (softmax over the 256", "[held-out bits per character"):
         table = printed.split(title)[1].split("\n\n")[0]
-        for name in MODELS:
+        for name in (*MODELS, *REFERENCES):
             row = next(line for line in table.splitlines() if line.startswith(name))
             assert len(re.findall(r"\d+\.\d+ ± \d+\.\d+", row)) == len(LANGUAGES), row
     for name in ("lslm", "dtp"):
@@ -69,7 +73,7 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
             assert re.search(rf"^{name}\s+{language}: .*\|", printed, re.M), (name, language)
     figures = json.loads(figures_path.read_text(encoding="utf-8"))
     assert all(math.isfinite(value) for value in numbers(figures))
-    assert figures["seeds"] == [0] and [run["model"] for run in figures["runs"]] == list(MODELS)
+    assert figures["seeds"] == [0] and [run["model"] for run in figures["runs"]] == [*MODELS, *REFERENCES]
     counts = {name: count for name, count in figures["parameters"].items() if name != "byte"}
     assert max(counts.values()) <= 1.05 * min(counts.values())
     # The fair baseline is matched by width and depth: fewer parameters (no router, no cross-attention).
@@ -80,6 +84,9 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
         assert all(
             run["bits_per_byte"][lang] <= run["bits_per_byte_all_ids"][lang] + 1e-9 for lang in LANGUAGES
         )
+        if run["model"] in ("lslm", "dtp", "every", "random"):
+            scores = run["eval_segmentations"]["scores"]
+            assert set(scores) == {"own", "random", "every"} and scores["own"] == run["bits_per_byte"]
         if run["model"] in ("lslm", "dtp"):
             assert 0 < run["train_rates"]["boundary_rate"] <= 1
             for cell in run["heldout"]["languages"].values():
@@ -94,8 +101,6 @@ def test_quick_run_prints_every_table_with_finite_figures(tmp_path):
 def test_the_checkpointable_trainer_takes_the_shared_loops_steps(name):
     """`trainer` holds the optimizer, schedule and batch generator that `runner.train` keeps inside (so
     that a sweep can checkpoint them): the same losses, metrics and weights to the last bit."""
-    import torch
-
     script = load_benchmark("reproduce_lslm")
     args = script.parse_args(["--quick"])
     # One thread, as the script runs: a second one on a busy machine makes these steps ~10x slower.
@@ -128,7 +133,7 @@ def test_a_killed_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
     swept = [*command, "--sweep-dir", str(folder), "--checkpoint-minutes", "0"]
     kill_at_first_checkpoint(swept, folder, timeout=120)
     status = subprocess.run([*swept, "--status"], capture_output=True, text=True, timeout=120)
-    assert "running  lslm/gpt2/seed0" in status.stdout and "0 done, 1 running, 3 left" in status.stdout
+    assert "running  lslm/gpt2/seed0" in status.stdout and "0 done, 1 running, 5 left" in status.stdout
     resumed = tmp_path / "resumed.json"
     assert subprocess.run([*swept, "--json", str(resumed)], capture_output=True, timeout=300).returncode == 0
     timing = ("train_seconds", "eval_seconds", "wall_seconds", "run", "family", "arm")
@@ -139,4 +144,15 @@ def test_a_killed_sweep_resumes_to_the_figures_of_a_plain_run(tmp_path):
         ]
 
     assert figures(resumed) == figures(plain)
-    assert len((folder / "results.jsonl").read_text().splitlines()) == 4
+    assert len((folder / "results.jsonl").read_text().splitlines()) == len(MODELS)
+
+
+def test_count_references_are_the_plain_add_one_and_interpolated_counts():
+    rows = load_benchmark("lslm_rows")
+    batches = [torch.tensor([[1, 5 + 97, 5 + 98, 5 + 97], [5 + 98, 5 + 98, 2, 5 + 97]])]
+    scores = rows.count_references(lambda index: batches[index], 1, {"t": "ab"})
+    # Bytes seen: a ×3, b ×3 (the specials 1 and 2 are not bytes and break the bigrams: ab, ba, bb).
+    p_a = p_b = (3 + 1) / (6 + 256)
+    assert scores["unigram"]["t"] == pytest.approx(-(math.log2(p_a) + math.log2(p_b)) / 2)
+    p_b_after_a = (1 + rows.BIGRAM_PRIOR * p_b) / (1 + rows.BIGRAM_PRIOR)
+    assert scores["bigram"]["t"] == pytest.approx(-(math.log2(p_a) + math.log2(p_b_after_a)) / 2)

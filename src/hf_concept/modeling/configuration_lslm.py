@@ -18,19 +18,24 @@ the expected objective under q, from every free byte's decision flipped against 
 sample, `lslm_segmental`).
 An exact dynamic programme over segment layouts, as in segmental LMs, needs a segment's likelihood to
 depend on where it starts and ends only; here the decoder reads the encoded segments s'_{0:m}, which
-depend on every end before, so "segmental" is exact per decision given the sampled rest and unbiased
-over it, at one more segment-encoder and decoder pass per free byte (no backward through them). Its
-gradient carries the decoder's full preference for fewer ends: on the synthetic word language the
-paper's prior strength (β = 1) lets it close no segment at all; a strong count prior holds the rate
-(`prior_loss="binomial"`, `kl_weight` 10).
+depend on every end before, so "segmental" is exact per decision given the sampled rest and unbiased over
+it, at one more segment-encoder and decoder pass per free byte (no backward through them);
+`segmental_flips` = k > 0 flips only k free bytes per row, drawn uniformly and weighted by n / k (still
+unbiased, k + 1 passes per row; 0, the default, flips every free byte). Its gradient carries the
+decoder's full preference for fewer ends: on the synthetic word language the paper's prior strength
+(β = 1) lets it close no segment at all; a strong count prior holds the rate (`prior_loss="binomial"`,
+`kl_weight` 10).
 
-The objective is the ELBO: cross-entropy of the decoder's bytes and, with `segment_end_loss` (default
-True), its `<nxt>` markers + `kl_weight` (β) · the boundary prior's term. The paper's eq. 4 has no `<nxt>`
-term (it sums log p(x_t | X_<t, Z_<t) over the bytes and scores z only by the KL to the prior); the
-default keeps it because §2.3 has the decoder close every segment with `<nxt>` and read `<nxt>` at
-inference as the boundary, which it learns only from this term (the log p(z_t | X_≤t, Z_<t) of eq. 1),
-and because every checkpoint so far was trained with it. False is eq. 4 as written: the decoder is
-not taught to write `<nxt>` (generation then closes segments where the router does). `prior_loss` picks
+The objective is the ELBO of the paper's eq. 4: cross-entropy of the decoder's bytes + `kl_weight` (β) ·
+the boundary prior's term. Eq. 4 sums log p(x_t | X_<t, Z_<t) over the bytes and scores z only by the KL
+to the prior; `segment_end_loss=True` adds the cross-entropy of the decoder's `<nxt>` markers (the
+log p(z_t | X_≤t, Z_<t) of eq. 1, which §2.3 has the decoder write to close a segment). It is off by
+default because it slows the whole hierarchy: measured apart (every byte its own segment, where each
+`<nxt>` is certain), the model with it trails the byte decoder of the same layers far behind and is
+close to it without it, and the router's and random ends gain alike (REPRODUCTION.md). Inference closes
+segments where the router (or the boundary source) does, not where the decoder writes `<nxt>`, so
+nothing at inference needs the term. Configs saved before the default changed carry True, and those
+saved before the field existed load with True, the objective they were trained on. `prior_loss` picks
 the prior's term:
 - "beta_binomial" (default, the paper's Beta(a, b) prior on the boundary rate): −log of the Beta-Binomial
   probability of each row's sampled number of ends, a = `prior_mean` · `prior_concentration`, b =
@@ -59,8 +64,8 @@ latest encoded segment s'_m (the null segment before the first), projected to th
 added to the input of every slot of segment m + 1. The paper's decoder is conditioned on s'_{0:m}
 (§2.3), but cross-attention alone carries no order: every segment's `<bos>` slot sends the same query
 and cannot tell the latest segment from the others. Configs saved before these fields existed load with
-the former behaviour (no latest-segment input, "kl", "confidence"), as their weights were trained;
-configs saved before `segment_end_loss` existed load with True, the objective they were trained on.
+the former behaviour (no latest-segment input, "kl", "confidence", the `<nxt>` term), as their weights
+were trained.
 
 Inference decides with `boundary_rule`. Training samples a boundary with probability q_t (σ(p̂ + g′ − g″)
 ≥ ½ is a Bernoulli(q_t) draw), so it closes Σ q_t bytes of a text in expectation. "rate" (default) closes
@@ -152,7 +157,8 @@ class LSLMConfig(PlainDecoderConfig):
     kl_weight: float = 1.0
     prior_loss: str = "beta_binomial"
     boundary_estimator: str = "straight_through"
-    segment_end_loss: bool = True
+    segmental_flips: int = 0
+    segment_end_loss: bool = False
     decoder_latest_segment: bool = True
     update_schedule: int = 0
     boundary_threshold: float = 0.5
@@ -180,6 +186,9 @@ class LSLMConfig(PlainDecoderConfig):
         behaviour its weights were trained with (`LEGACY_FIELDS`)."""
         if "transformers_version" in config_dict and "boundary_estimator" not in config_dict:
             config_dict = {**LEGACY_FIELDS, **config_dict}
+        if "transformers_version" in config_dict:
+            # Added after the fields above, while its default was True.
+            config_dict = {"segment_end_loss": True, **config_dict}
         return super().from_dict(config_dict, **kwargs)
 
     def beta_prior(self) -> tuple[float, float]:
@@ -242,6 +251,7 @@ class LSLMConfig(PlainDecoderConfig):
             estimators = ", ".join(BOUNDARY_ESTIMATORS)
             raise ValueError(f"boundary_estimator={self.boundary_estimator!r} must be one of {estimators}")
         self._check_segment_end_loss()
+        _check_int("segmental_flips", self.segmental_flips, low=0)
         if not isinstance(self.decoder_latest_segment, bool):
             raise ValueError(f"decoder_latest_segment={self.decoder_latest_segment!r} must be True or False")
         # The "threshold" rule closes where q_t >= threshold: 0 would close every byte whatever the router
@@ -268,7 +278,8 @@ class LSLMConfig(PlainDecoderConfig):
             # follow a loss the objective does not have.
             raise ValueError(
                 "segment_end_loss=False with boundary_estimator='straight_through_targets': that estimator "
-                "passes each decision through the <nxt> target's loss, which the objective then leaves out"
+                "passes each decision through the <nxt> target's loss, which the objective then leaves out; "
+                "pass segment_end_loss=True with it"
             )
 
     def _warn_unreachable_threshold(self) -> None:

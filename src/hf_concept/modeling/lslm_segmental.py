@@ -28,7 +28,9 @@ is the hard one, no straight-through path), so the expectation of the whole grad
 
 Cost. Per row of n free bytes, n + 1 more passes of the segment encoder, the decoder and the LM head
 (forward only, no graph; the token encoder runs once), in chunks of `FLIP_CHUNK` layouts: about n times
-the forward cost of those stages. Nothing runs outside training, without labels, without a gradient to
+the forward cost of those stages. `LSLMConfig.segmental_flips` = k > 0 flips k of them per row, drawn
+uniformly, and weights their advantages by n / k (`chosen_flips`): still unbiased for every byte, at
+k + 1 passes per row. Nothing runs outside training, without labels, without a gradient to
 take, or when the router decides nothing (`boundary_source` other than "router").
 """
 
@@ -63,19 +65,35 @@ def segmental_surrogate(
     logits = segmentation.logits
     if model.config.boundary_source != "router" or not logits.requires_grad or not bool(free.any()):
         return logits.new_zeros(())
-    advantages = flip_advantages(model, layout, labels, free)
-    return local_expectation_surrogate(logits, advantages / predicted, free)
+    chosen, weights = chosen_flips(free, model.config.segmental_flips)
+    advantages = flip_advantages(model, layout, labels, free, chosen) * weights[:, None]
+    return local_expectation_surrogate(logits, advantages / predicted, chosen)
+
+
+def chosen_flips(free: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B, T) bool, (B,) float) the free bytes whose decisions are flipped, and each row's weight n / k
+    (n free bytes, k flipped): every free byte (weight 1) when `budget` is 0 or a row has no more free
+    bytes than it; else `budget` of them drawn uniformly without replacement (torch's generator). Each
+    free byte is flipped with probability k / n, so weight · A_t at the flipped bytes (0 elsewhere) is
+    unbiased for every free byte's term, at k + 1 instead of n + 1 passes per row."""
+    free_counts = free.sum(dim=1)
+    if budget == 0 or int(free_counts.max()) <= budget:
+        return free, torch.ones(free.shape[0], device=free.device)
+    keys = torch.rand(free.shape, device=free.device).masked_fill(~free, 2.0)  # pads and forced last
+    chosen = free & (keys.argsort(dim=1).argsort(dim=1) < budget)
+    return chosen, free_counts / chosen.sum(dim=1).clamp(min=1)
 
 
 @torch.no_grad()
 def flip_advantages(
-    model: nn.Module, layout: LSLMPass, labels: torch.Tensor, free: torch.Tensor
+    model: nn.Module, layout: LSLMPass, labels: torch.Tensor, free: torch.Tensor, flips: torch.Tensor
 ) -> torch.Tensor:
-    """(B, T) A_t = L(z_t = 1) − L(z_t = 0) at the `free` bytes, the rest of each row as sampled (summed
-    objective of the row, unnormalised); 0 elsewhere."""
+    """(B, T) A_t = L(z_t = 1) − L(z_t = 0) at the `flips` bytes (a subset of the `free` ones, which the
+    count prior counts), the rest of each row as sampled (summed objective of the row, unnormalised);
+    0 elsewhere."""
     ends = layout.segmentation.ends
     batch = ends.shape[0]
-    rows, columns = free.nonzero(as_tuple=True)
+    rows, columns = flips.nonzero(as_tuple=True)
     # Each row's sample first, computed as the flips are, so that the differences share the arithmetic.
     all_rows = torch.cat([torch.arange(batch, device=ends.device), rows])
     flip_at = torch.cat([torch.full((batch,), -1, device=ends.device), columns])
