@@ -72,7 +72,13 @@ ACCEPTED: dict[str, set[tuple[str, Any]]] = {
     "hidden-decoding": BACKBONE_ACCEPTED | {("bos_token_id", 0), ("eos_token_id", 0)},
     # LSLM's five special ids must differ: 0 is the pad id, so bos, eos and the markers cannot take it.
     "lslm": BACKBONE_ACCEPTED
-    | {("kl_weight", 0), ("kl_weight", 1e30), ("boundary_seed", 0), ("update_schedule", 0)},
+    | {
+        ("kl_weight", 0),
+        ("kl_weight", 1e30),
+        ("boundary_seed", 0),
+        ("update_schedule", 0),
+        ("segmental_flips", 0),
+    },
 }
 
 
