@@ -103,7 +103,8 @@ LORA_TARGETS = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
 def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
-    """The conversion's decision rule, the distillation terms and the checkpoint."""
+    """The conversion's decision rule and dechunk EMA, what stays frozen, the distillation terms and the
+    checkpoint."""
     parser.add_argument(
         "--chunking",
         choices=("dynamic", "fixed"),
@@ -117,6 +118,19 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="boundary_rank_window of the conversion (default: the converter's; 0: one threshold on the "
         "router's probabilities for every text, the recipe before local ranks)",
+    )
+    parser.add_argument(
+        "--dechunk-ema",
+        choices=("probability", "straight_through"),
+        default=None,
+        help="the dechunk EMA's weight of each concept (ConceptMoEConfig.dechunk_ema; default: the "
+        "conversion's)",
+    )
+    parser.add_argument(
+        "--freeze-router",
+        action="store_true",
+        help="train everything else but keep the router's weights as converted (--hold-ratio still moves "
+        "its threshold): do the router's moving decisions cost the concept layers?",
     )
     parser.add_argument(
         "--distill",
@@ -186,12 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--encoder-layers", type=int, default=2)
     parser.add_argument("--decoder-layers", type=int, default=2)
     parser.add_argument("--router-init", choices=("random", "identity"), default="random")
-    parser.add_argument(
-        "--freeze-router",
-        action="store_true",
-        help="train everything else but keep the router's weights as converted (--hold-ratio still moves "
-        "its threshold): do the router's moving decisions cost the concept layers?",
-    )
     parser.add_argument("--answer-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -462,6 +470,8 @@ def converted_model(source: Path, folder: Path, args: argparse.Namespace) -> Con
     model = ConceptMoEForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if args.aux_loss_weight is not None:
         model.config.aux_loss_weight = args.aux_loss_weight
+    if args.dechunk_ema is not None:
+        model.config.dechunk_ema = args.dechunk_ema
     return model
 
 

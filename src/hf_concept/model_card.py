@@ -219,6 +219,7 @@ def family_settings(family: str, config) -> dict[str, Any]:
         values = {"encoder_layers": get("encoder_layers"), "concept_layers": get("num_concept_layers")}
         values.update(decoder_layers=get("decoder_layers"), hidden_size=get("hidden_size"))
         names = ("chunking", "compression_ratio", "router", "router_init", "pooling", "dechunk_residual")
+        names += ("dechunk_ema",)
         values.update({name: get(name) for name in names}, concept_hidden_size=get("concept_width"))
         values.update(joint_decoding_layers=get("num_joint_layers"), concept_loop=get("concept_loop"))
         if experts:

@@ -475,6 +475,7 @@ FAMILIES: list[FamilySpec] = [
             ("boundary_rank_window", 1),
             ("boundary_rank_window", 4.5),
             ("boundary_noise", "bernoulli"),
+            ("dechunk_ema", "none"),
         ),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,

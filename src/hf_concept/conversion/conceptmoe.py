@@ -123,14 +123,18 @@ def conceptmoe_config_from_source(source_config, **options: Any):
 
 def rank_window_fields(rank_window: int | None, chunking: str, compression_ratio: float) -> dict[str, Any]:
     """The config fields of learned boundaries decided on local ranks (`concept_ranking`): the window, the
-    threshold 1 − 1/R at which about one token in R opens a concept in every text, and no decision noise
-    (training decides as inference does). Empty for fixed chunking or `rank_window` None / 0."""
+    threshold 1 − 1/R at which about one token in R opens a concept in every text, no decision noise
+    (training decides as inference does), and the dechunk EMA at weight 1 with the probability's gradient
+    (`dechunk_ema="straight_through"`): ranked openings sit at middling probabilities, and the paper's
+    EMA would blur each concept with the ones before it where fixed chunks read it whole. Empty for
+    fixed chunking or `rank_window` None / 0."""
     if not rank_window or chunking != "dynamic":
         return {}
     return {
         "boundary_rank_window": rank_window,
         "boundary_threshold": 1.0 - 1.0 / compression_ratio,
         "boundary_noise": "none",
+        "dechunk_ema": "straight_through",
     }
 
 

@@ -20,6 +20,7 @@ ROUTER_KINDS = ("cosine", "linear")
 ROUTER_INITS = ("random", "identity")
 POOLING_KINDS = ("first", "sum", "mean")
 DECHUNK_RESIDUALS = ("output", "delta")
+DECHUNK_EMAS = ("probability", "straight_through")
 # Joint decoding on the last J decoder layers; None means min(DEFAULT_JOINT_LAYERS, decoder_layers).
 DEFAULT_JOINT_LAYERS = 4
 # What a config saved before `joint_decoding_norm` existed meant by leaving it out.
@@ -39,6 +40,14 @@ class ConceptMoEConfig(ConceptConfig):
     the gradient of a linear map scales with what it reads, so unnormalised they dominated the gradient
     norm by ~1000x. The projections stay zero-initialised, so the norm changes nothing at step 0. Configs
     saved before the field existed load with False, as their weights were trained.
+
+    `dechunk_ema` picks the weight of each concept in the dechunk EMA (eq. 8, z̃_m = w_m z_m + (1 − w_m)
+    z̃_{m−1}): "probability" (default, the paper's) w_m = p_m, its opening token's boundary probability;
+    "straight_through" w_m = 1 in value with p_m's gradient (`routing.straight_through`), so each token
+    reads its own concept unblurred while the LM loss still reaches the router through the EMA. A router
+    that decides on local ranks (`boundary_rank_window`) opens concepts where p is high *for its
+    neighbourhood*, not where p is near 1, so the paper's EMA mixes a share of every concept's predecessor
+    into it, where fixed chunks (p = 1) mix nothing (measured on SmolLM2 in REPRODUCTION.md).
     """
 
     model_type = "conceptmoe"
@@ -49,6 +58,7 @@ class ConceptMoEConfig(ConceptConfig):
     router_init: str = "random"
     pooling: str = "first"
     dechunk_residual: str = "output"
+    dechunk_ema: str = "probability"
     joint_decoding_layers: int | None = None
     joint_decoding_norm: bool = True
     concept_loop: list[int] | None = None
@@ -148,6 +158,7 @@ class ConceptMoEConfig(ConceptConfig):
                 "boundary_noise": BOUNDARY_NOISE_KINDS,
                 "pooling": POOLING_KINDS,
                 "dechunk_residual": DECHUNK_RESIDUALS,
+                "dechunk_ema": DECHUNK_EMAS,
                 "ratio_scope": RATIO_SCOPES,
             }
         )

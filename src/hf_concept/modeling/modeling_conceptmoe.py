@@ -348,9 +348,10 @@ class ConceptMoEModel(ConceptStackMixin, ConceptMoEPreTrainedModel):
         views = ConceptPassViews(emission) if keep_states else None
         concepts = self.run_concept_model(emitted, cache, views)  # (B, C, D)
         # The dechunk EMA is DLCM's "ema" smoothing: one function continues both from the cached value.
-        smoothed = probability_smoothing(
-            concepts, emitted.probs, emitted.valid, state.last_ema, state.has_ema
-        )
+        weights = emitted.probs
+        if self.config.dechunk_ema == "straight_through":
+            weights = straight_through(emitted.probs, emitted.valid)  # 1 in value, p's gradient
+        smoothed = probability_smoothing(concepts, weights, emitted.valid, state.last_ema, state.has_ema)
         token_concepts, new_state = self.read_concepts(
             smoothed, emitted, mask, opens, state, router.keys, documents
         )
