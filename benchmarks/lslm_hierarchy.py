@@ -37,10 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_bits_per_byte as runner
 import lslm_rows
 import reproduce_lslm as reproduce
-from eval_bits_per_byte import cell, mean_std
-from lslm_rows import EVAL_SEGMENTATIONS, EVERY_BAND, OWN_MARGIN, ROUTER_BAND
+from eval_bits_per_byte import cell
+from lslm_rows import EVAL_SEGMENTATIONS
 
-from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.tables import format_table
 
 SOURCES = ("every", "random", "router")
@@ -55,20 +54,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace, arm: str, seed: int) -> tuple[torch.nn.Module, argparse.Namespace]:
-    """Arm `arm`'s model freshly initialised from `seed`, and the shared runner's namespace."""
+    """Arm `arm`'s model freshly initialised from `seed` (`reproduce_lslm.build_model`: "byte", or the
+    LSLM row of its boundary source, joint updates by the config's default), with its `<nxt>` term set,
+    and the shared runner's namespace."""
     if ARMS[arm] is None:
         return reproduce.build_model(args, "byte", seed), reproduce.runner_args(args, seed, "byte")
-    shared = reproduce.runner_args(args, seed, "lslm")
-    shared.lslm_update_schedule = 0
-    config = runner.lslm_config(shared, shared.lslm[0])
-    config.boundary_source, config.segment_end_loss = ARMS[arm]
-    torch.manual_seed(seed)
-    return LSLMForCausalLM(config), shared
+    source, segment_end_loss = ARMS[arm]
+    name = "lslm" if source == "router" else source
+    model = reproduce.build_model(args, name, seed)
+    # Read by the loss only: setting it after construction leaves the initial weights as they are.
+    model.config.segment_end_loss = segment_end_loss
+    return model, reproduce.runner_args(args, seed, name)
 
 
 def run_arm(args: argparse.Namespace, arm: str, seed: int, fit: dict, texts: dict) -> dict:
     """Train arm `arm` from `seed` on the seed's batches and score it (an LSLM under each evaluation
-    segmentation)."""
+    segmentation too)."""
     model, shared = build(args, arm, seed)
     name = "byte" if ARMS[arm] is None else "lslm"
     print(f"[seed {seed}] {arm}: {args.steps} steps", flush=True)
@@ -76,18 +77,15 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, fit: dict, texts: dic
     schedule = None if name == "byte" else model.config.update_schedule
     _, step = runner.trainer(model, shared, schedule, reproduce.token_rows(fit))
     history = [step(index) for index in range(args.steps)]
+    # An LSLM's record holds its scores under the swapped evaluation segmentations (`score_model`).
     record = reproduce.score_model(model, name, seed, shared, texts, history, time.perf_counter() - started)
     record.update(arm=arm)
-    if name == "lslm":
-        record["eval_segmentations"] = lslm_rows.swapped_scores(model, record, shared, texts)
     return record
 
 
 def own_against(runs: list[dict], arm: str, source: str) -> dict[str, list[float]]:
     """Per language and seed, `arm`'s bits per byte under its own segmentation − under `source`'s."""
-    scores = [run["eval_segmentations"]["scores"] for run in runs if run["arm"] == arm]
-    languages = scores[0]["own"] if scores else ()
-    return {lang: [score["own"][lang] - score[source][lang] for score in scores] for lang in languages}
+    return lslm_rows.own_minus([run for run in runs if run["arm"] == arm], source)
 
 
 def score_table(runs: list[dict], arms: list[str], languages: list[str]) -> None:
@@ -107,19 +105,11 @@ def score_table(runs: list[dict], arms: list[str], languages: list[str]) -> None
     print(format_table(["arm", *languages], rows))
 
 
-def verdicts(runs: list[dict], arms: list[str], paired: dict) -> dict:
-    """The bands: "every" and "router" (both without the `<nxt>` term) against the byte decoder, and the
-    router's own ends against random ends at its rate on every seed."""
-    means = {arm: {lang: mean_std(values)[0] for lang, values in paired[arm].items()} for arm in paired}
-    found = {}
-    if "every" in means:
-        found["every_within_band"] = all(mean <= EVERY_BAND for mean in means["every"].values())
-    if "router" in means:
-        found["router_within_band_zh_ja"] = all(means["router"][lang] <= ROUTER_BAND for lang in ("zh", "ja"))
-        margins = own_against(runs, "router", "random")
-        found["router_own_beats_random"] = all(
-            value <= -OWN_MARGIN for values in margins.values() for value in values
-        )
+def verdicts(runs: list[dict], paired: dict) -> dict:
+    """The bands (`lslm_rows.band_verdicts`): "every" and "router" (both without the `<nxt>` term)
+    against the byte decoder, and the router's own ends against random ends at its rate on every seed."""
+    own = own_against(runs, "router", "random") if "router" in paired else None
+    found = lslm_rows.band_verdicts(paired.get("every"), paired.get("router"), own)
     for name, verdict in found.items():
         print(f"[{name}] {verdict}")
     return found
@@ -147,7 +137,7 @@ def report(runs: list[dict], arms: list[str]) -> dict:
     print("\nPaired differences (same seed and batches; < 0: the first is better)")
     print(format_table(["pair", *languages], rows))
     return dict(differences=paired, segment_end_term=terms, eval_segmentations=swapped,
-                verdicts=verdicts(runs, arms, paired))  # fmt: skip
+                verdicts=verdicts(runs, paired))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

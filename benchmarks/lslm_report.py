@@ -8,7 +8,7 @@ import argparse
 
 import eval_bits_per_byte as runner
 from eval_bits_per_byte import cell, mean_std
-from lslm_rows import EVAL_SEGMENTATIONS, EVERY_BAND, OWN_MARGIN, ROUTER_BAND
+from lslm_rows import EVAL_SEGMENTATIONS, band_verdicts, own_minus
 
 from hf_concept.tables import format_table
 
@@ -169,7 +169,7 @@ def print_segmentation_tables(runs: list[dict], split: str) -> None:
             scores = [run["eval_segmentations"]["scores"][source] for run in group]
             rows.append([name, source, *(cell([score[lang] for score in scores]) for lang in cells)])
         for source in EVAL_SEGMENTATIONS[1:]:
-            values = own_against(group, source)
+            values = own_minus(group, source)
             pairs.append([name, f"own−{source}", *(cell(values[lang]) for lang in cells)])
     widths = (9, 8, *[18] * len(cells))
     print(format_table(["model", "ends", *cells], rows, align="<<>", widths=widths, sep=""))
@@ -181,32 +181,18 @@ def print_segmentation_tables(runs: list[dict], split: str) -> None:
     print("random ends' rate: " + "; ".join(rates))
 
 
-def own_against(group: list[dict], source: str) -> dict[str, list[float]]:
-    """Per cell and seed, the bits per byte under the model's own ends − under `source`'s."""
-    scores = [run["eval_segmentations"]["scores"] for run in group]
-    return {lang: [score["own"][lang] - score[source][lang] for score in scores] for lang in scores[0]["own"]}
-
-
 def hierarchy_directions(grouped: dict[str, list[dict]], cells: list[str]) -> dict[str, bool]:
-    """The bands: `every` − byte within `EVERY_BAND` in every cell; `lslm` − byte within `ROUTER_BAND`
-    in every zh / ja cell (mean paired differences); the LSLM's own ends better than random ends at its
-    rate by `OWN_MARGIN` on every seed and cell."""
+    """The bands (`lslm_rows.band_verdicts`) on the reproduction's rows: "every" and "lslm" (the router's
+    ends) against the byte decoder, and the LSLM's own ends against random ends at its rate."""
 
-    def within(name: str, band: float, cells: list[str]) -> bool:
-        byte = {run["seed"]: run["bits_per_byte"] for run in grouped["byte"]}
-        return all(
-            mean_std([run["bits_per_byte"][lang] - byte[run["seed"]][lang] for run in grouped[name]])[0]
-            <= band
+    def minus_byte(name: str) -> dict[str, list[float]] | None:
+        if name not in grouped:
+            return None
+        return {
+            lang: runner.seed_differences(
+                grouped[name], grouped["byte"], lambda run, lang=lang: run["bits_per_byte"][lang]
+            )
             for lang in cells
-        )
+        }
 
-    verdict = {}
-    if "every" in grouped:
-        verdict[f"every-byte<={EVERY_BAND} all"] = within("every", EVERY_BAND, cells)
-    zh_ja = [lang for lang in cells if lang.split("/")[0] in ("zh", "ja")]
-    verdict[f"lslm-byte<={ROUTER_BAND} zh/ja"] = within("lslm", ROUTER_BAND, zh_ja)
-    margins = own_against(grouped["lslm"], "random")
-    verdict[f"lslm own<=random-{OWN_MARGIN} every seed"] = all(
-        value <= -OWN_MARGIN for values in margins.values() for value in values
-    )
-    return verdict
+    return band_verdicts(minus_byte("every"), minus_byte("lslm"), own_minus(grouped["lslm"], "random"))

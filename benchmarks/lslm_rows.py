@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from statistics import fmean as mean
 
 import eval_bits_per_byte as runner
 import torch
@@ -162,6 +163,40 @@ def swapped_scores(model: LSLMForCausalLM, record: dict, shared: argparse.Namesp
         with eval_segmentation(model.eval(), source, rate):
             scores[source] = renormalized_bits(model, texts, shared)
     return dict(scores=scores, random_rate=rate, own_rate=own_rate)
+
+
+def own_minus(runs: list[dict], source: str) -> dict[str, list[float]]:
+    """Per text and run (one model's seeds), its bits per byte under its own ends − under `source`'s
+    (`swapped_scores`; < 0: its own ends are better)."""
+    scores = [run["eval_segmentations"]["scores"] for run in runs]
+    texts = scores[0]["own"] if scores else ()
+    return {name: [score["own"][name] - score[source][name] for score in scores] for name in texts}
+
+
+def band_verdicts(
+    every: dict[str, list[float]] | None,
+    router: dict[str, list[float]] | None,
+    router_own_minus_random: dict[str, list[float]] | None,
+) -> dict[str, bool]:
+    """The bands the hierarchy is held to, from per-text (language or "language/kind" cell) lists of
+    per-seed paired differences: every byte a segment − byte decoder within `EVERY_BAND` on every text
+    (mean), the router's LSLM − byte decoder within `ROUTER_BAND` on every zh / ja text, and its own ends
+    − random ends at its rate at most −`OWN_MARGIN` on every seed and text. A band whose figures are
+    missing (None) is left out."""
+    found = {}
+    if every is not None:
+        found["every_within_band"] = all(mean(values) <= EVERY_BAND for values in every.values())
+    if router is not None:
+        found["router_within_band_zh_ja"] = all(
+            mean(values) <= ROUTER_BAND
+            for name, values in router.items()
+            if name.split("/")[0] in ("zh", "ja")
+        )
+    if router_own_minus_random is not None:
+        found["router_own_beats_random"] = all(
+            value <= -OWN_MARGIN for values in router_own_minus_random.values() for value in values
+        )
+    return found
 
 
 def byte_counts(draw: Callable[[int], torch.Tensor], steps: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,3 +58,17 @@ def test_arms_must_include_the_byte_decoder():
     script = load_benchmark("lslm_hierarchy")
     with pytest.raises(SystemExit):
         script.parse_args(["--arms", "every"])
+
+
+def test_band_verdicts_read_languages_and_corpus_cells_alike():
+    rows = load_benchmark("lslm_rows")
+    # Means: every +0.05 / +0.15 (zh over the band); router over it in en only; own ends 0.05-0.07 better.
+    every = {"en/prose": [0.05, 0.05], "zh/prose": [0.1, 0.2]}
+    router = {"en/prose": [0.5, 0.5], "zh/prose": [0.2, 0.3], "ja": [0.3, 0.3]}
+    own = {"en/prose": [-0.06, -0.07], "ja": [-0.06, -0.05]}
+    assert rows.band_verdicts(every, router, own) == {
+        "every_within_band": False,
+        "router_within_band_zh_ja": True,
+        "router_own_beats_random": True,
+    }
+    assert rows.band_verdicts(None, None, {"ja": [-0.06, -0.04]}) == {"router_own_beats_random": False}
