@@ -63,6 +63,7 @@ from torch import nn
 
 from hf_concept.conversion.conceptmoe import convert_to_conceptmoe
 from hf_concept.evaluation import bits_per_byte
+from hf_concept.modeling.configuration_conceptmoe import DECHUNK_EMAS
 from hf_concept.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEModel
 from hf_concept.training.data import load_saved_dataset
 from hf_concept.training.distillation import (
@@ -121,7 +122,7 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dechunk-ema",
-        choices=("probability", "straight_through"),
+        choices=DECHUNK_EMAS,
         default=None,
         help="the dechunk EMA's weight of each concept (ConceptMoEConfig.dechunk_ema; default: the "
         "conversion's)",
