@@ -14,8 +14,8 @@ from hf_concept.tables import format_table
 
 # Models whose boundaries a router decides (boundary tables), every LSLM row (evaluation segmentations),
 # and the count references (no training, no timing).
-ROUTED = ("lslm", "dtp")
-LSLM_ROWS = ("lslm", "dtp", "every", "random")
+ROUTED = ("lslm", "dtp", "segmental")
+LSLM_ROWS = ("lslm", "dtp", "every", "random", "segmental")
 REFERENCES = ("unigram", "bigram")
 PAIRS = (
     ("lslm", "byte"),
@@ -26,6 +26,8 @@ PAIRS = (
     ("every", "byte"),
     ("random", "byte"),
     ("lslm", "random"),
+    ("segmental", "byte"),
+    ("segmental", "lslm"),
     ("lslm", "unigram"),
     ("byte", "bigram"),
 )
@@ -86,7 +88,7 @@ def print_boundary_tables(runs: list[dict], split: str) -> None:
         within = all(abs(ratio - 1) <= RATE_TOLERANCE for ratio in rows["ratio"])
         figures = [cell(rows[key]) for key in ("sampled", "mean_q", "heldout", "ratio")]
         table.append([name, *figures, f"{'yes' if within else 'NO'} (every seed)"])
-    widths = (6, 16, 16, 16, 16, None)
+    widths = (9, 16, 16, 16, 16, None)
     print(format_table(titles, table, align="<>>>><", widths=widths, sep=("", "", "", "", "  ")))
     print(f"\n[{split} segmentation] opens vs word starts (en), UTF-8 character starts (zh, ja)")
     print("(gold rate: the share of gold bytes, i.e. the precision of segments opened at random)")
@@ -122,7 +124,8 @@ def print_timings(runs: list[dict], wall: float, args: argparse.Namespace) -> No
 def directions(runs: list[dict]) -> dict[str, bool | str]:
     """The paper's directions (held-out or validation, as run): "LSLM below a model" per cell is
     `runner.paired_verdict` on the per-seed paired differences (same seed, same batches); English's
-    "about equal to the byte baseline" and the segment checks are yes / no."""
+    "about equal to the byte baseline" and the segment checks are yes / no. A direction whose rows were
+    not run (`--models`) is left out."""
     grouped = by_model(runs)
 
     def stats(name: str, language: str) -> tuple[float, float]:
@@ -135,17 +138,21 @@ def directions(runs: list[dict]) -> dict[str, bool | str]:
         return runner.paired_verdict(differences)
 
     cells = list(runs[0]["bits_per_byte"])
-    verdict: dict[str, bool | str] = {
+    verdict: dict[str, bool | str] = {}
+    if "lslm" not in grouped:
+        return verdict
+    verdict.update({
         f"lslm<{baseline} {lang}": below(baseline, lang)
         for baseline in ("gpt2", "byte")
         for lang in cells
-        if lang.split("/")[0] in ("zh", "ja")
-    }
-    for lang in (name for name in cells if name.split("/")[0] == "en"):
+        if lang.split("/")[0] in ("zh", "ja") and baseline in grouped
+    })  # fmt: skip
+    for lang in (name for name in cells if name.split("/")[0] == "en" and "byte" in grouped):
         verdict[f"lslm<=byte+1std {lang}"] = stats("lslm", lang)[0] <= sum(stats("byte", lang))
-    verdict.update({f"lslm<dtp {lang}": below("dtp", lang) for lang in cells})
+    if "dtp" in grouped:
+        verdict.update({f"lslm<dtp {lang}": below("dtp", lang) for lang in cells})
     verdict.update(hierarchy_directions(grouped, cells))
-    for name in ROUTED:
+    for name in (name for name in ROUTED if name in grouped):
         verdict[f"{name} precision>chance all"] = all(
             c["precision"] > c["gold_rate"]
             for run in grouped[name]
@@ -171,7 +178,7 @@ def print_segmentation_tables(runs: list[dict], split: str) -> None:
         for source in EVAL_SEGMENTATIONS[1:]:
             values = own_minus(group, source)
             pairs.append([name, f"own−{source}", *(cell(values[lang]) for lang in cells)])
-    widths = (9, 8, *[18] * len(cells))
+    widths = (10, 8, *[18] * len(cells))
     print(format_table(["model", "ends", *cells], rows, align="<<>", widths=widths, sep=""))
     print(format_table(["model", "pair", *cells], pairs, align="<<>", widths=widths, sep=""))
     rates = [
@@ -186,7 +193,7 @@ def hierarchy_directions(grouped: dict[str, list[dict]], cells: list[str]) -> di
     ends) against the byte decoder, and the LSLM's own ends against random ends at its rate."""
 
     def minus_byte(name: str) -> dict[str, list[float]] | None:
-        if name not in grouped:
+        if name not in grouped or "byte" not in grouped:
             return None
         return {
             lang: runner.seed_differences(

@@ -28,6 +28,10 @@ from hf_concept.modeling.modeling_lslm import LSLMForCausalLM
 from hf_concept.modeling.tokenization_lslm import BYTE_OFFSET, SEQUENCE_START_ID
 from hf_concept.training.lslm import drop_other_group_gradients, is_inference_parameter
 
+# Who decides the segment ends (`--ends`): "gold" feeds the true word ends through the LSLM's
+# `inference_decisions`, the hook every non-router `boundary_source` goes through in training and eval.
+ENDS = ("router", "gold", "random", "every")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -51,6 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--set", action="append", default=[], help='LSLMConfig field=value (JSON value), e.g. prior_loss="kl"'
+    )
+    parser.add_argument(
+        "--ends",
+        choices=ENDS,
+        default="router",
+        help="who decides the LSLM's segment ends in training and evaluation: its router (the default), "
+        "the true word ends (an oracle: what the objective gains from words), random ends at the word-start "
+        "rate, or every byte",
     )
     parser.add_argument("--json", default=None, help="append one JSON line per seed here")
     return parser.parse_args(argv)
@@ -86,10 +98,32 @@ def lslm_model(args: argparse.Namespace, prior_mean: float) -> LSLMForCausalLM:
         max_position_embeddings=args.context + 8,
         prior_mean=prior_mean,
     )
+    if args.ends != "router":
+        # "gold" takes the given-ends path of a non-router source, its ends replaced (`GoldEnds`).
+        fields["boundary_source"] = "every" if args.ends == "gold" else args.ends
     for item in args.set:
         name, _, value = item.partition("=")
         fields[name] = json.loads(value)
     return LSLMForCausalLM(LSLMConfig(**fields))
+
+
+class GoldEnds:
+    """The true word ends as an LSLM's segment ends: installed over `LSLMModel.inference_decisions`, it
+    answers with the ends of the texts last given to `use` (position p ends a segment when byte p, the
+    one after it, starts a word; position 0 is `<BoS>`)."""
+
+    def __init__(self, model: LSLMForCausalLM) -> None:
+        self.table: torch.Tensor | None = None
+        model.model.inference_decisions = self.decisions
+
+    def use(self, texts: list[SyntheticText], context: int) -> None:
+        table = torch.zeros(len(texts), context + 1, dtype=torch.bool)
+        for row, text in enumerate(texts):
+            table[row, [start for start in text.word_starts if start <= context]] = True
+        self.table = table
+
+    def decisions(self, probs: torch.Tensor, counted: torch.Tensor, view) -> torch.Tensor:
+        return self.table.gather(1, view.position_ids) & counted
 
 
 def heads(width: int) -> int:
@@ -128,13 +162,18 @@ def parameter_groups(model, args) -> list[dict]:
     return groups
 
 
-def train(model, args, language, rng: random.Random, interleave: int | None) -> list[float]:
+def train(
+    model, args, language, rng: random.Random, interleave: int | None, gold: GoldEnds | None = None
+) -> list[float]:
     optimizer = torch.optim.AdamW(parameter_groups(model, args), lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args.steps))
     model.train()
     losses = []
     for step in range(args.steps):
-        batch = rows_of(sample_rows(language, args.batch_size, args.context, rng), args.context)
+        texts = sample_rows(language, args.batch_size, args.context, rng)
+        if gold is not None:
+            gold.use(texts, args.context)
+        batch = rows_of(texts, args.context)
         output = model(input_ids=batch, labels=batch)
         optimizer.zero_grad(set_to_none=True)
         output.loss.backward()
@@ -194,10 +233,15 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     )
     word_rate = sum(len(t.word_starts) for t in heldout) / sum(len(t.text) for t in heldout)
     result: dict = {"seed": seed, "word_start_rate": word_rate, "settings": args.set, "steps": args.steps}
+    result["ends"] = args.ends
     torch.manual_seed(seed)
     model = lslm_model(args, prior_mean=round(word_rate, 3))
+    gold = GoldEnds(model) if args.ends == "gold" else None
     started = time.perf_counter()
-    train(model, args, language, random.Random(seed), None if args.joint else model.config.update_schedule)
+    schedule = None if args.joint else model.config.update_schedule
+    train(model, args, language, random.Random(seed), schedule, gold)
+    if gold is not None:
+        gold.use(heldout, args.context)
     result["lslm"] = evaluate(model, heldout, args.context)
     result["lslm"]["seconds"] = time.perf_counter() - started
     result["lslm"]["parameters"] = sum(p.numel() for p in model.parameters())

@@ -1,6 +1,6 @@
 """LSLM at toy scale: does a latent-segment LM beat a parameter-matched byte GPT-2 on Chinese and Japanese
-(LSLM Table 1, §4.1), and does it learn a non-uniform segmentation? Three seeds, six models and two
-count references, one runner.
+(LSLM Table 1, §4.1), and does it learn a non-uniform segmentation? Three seeds, six models (a seventh
+opt-in) and two count references, one runner.
 
 Models, per seed (each built right after `torch.manual_seed(seed)`), trained one after the other on the
 very same batches (`eval_bits_per_byte.train`: crops of `--context` tokens of the en/zh/ja `train` split,
@@ -28,6 +28,9 @@ warm-up, cosine to 10%):
   pooling with DTP's prior" inside LSLM's architecture.
 - "every" and "random": the "lslm" row with `boundary_source="every"` (every byte its own segment) and
   `"random"` (ends at fixed random bytes at the prior mean): the hierarchy without the router.
+- "segmental" (opt-in: `--models` must name it, each of its steps costs about five of the LSLM's): the
+  "lslm" row with the segmental router estimator (not the paper's; `SEGMENTAL`: 8 flipped bytes per row,
+  DTP's count prior at weight 10, which holds the rate).
 - "unigram" and "bigram" (references, nothing trained): add-one unigram and interpolated bigram counts
   of the bytes of the very batches the seed's models read (`lslm_rows.count_references`).
 
@@ -76,7 +79,7 @@ prints each run as done / running / left with time estimates, and trains nothing
 
     python benchmarks/reproduce_lslm.py [--seeds 0,1,2] [--steps 400] [--width 96] [--layers 1,3,1]
         [--context 256] [--batch-size 16] [--lr 2e-3] [--weight-decay 0.01] [--threads 1]
-        [--eval-bytes N] [--validation] [--json PATH] [--png PATH] [--quick]
+        [--eval-bytes N] [--validation] [--json PATH] [--png PATH] [--quick] [--models byte,segmental]
         [--corpus DIR [--heldout-bytes N]]
         [--sweep-dir DIR [--checkpoint-minutes 5] [--status]]
 """
@@ -123,8 +126,15 @@ from hf_concept.training import sweep
 from hf_concept.utils import eval_mode
 
 MODELS = ("gpt2", "byte", "lslm", "dtp", "every", "random")
+# Rows run only when `--models` names them: "segmental" costs SEGMENTAL["segmental_flips"] + 1 decoder
+# passes per row and step.
+OPT_IN = ("segmental",)
 # Matched by parameters (within MAX_PARAMETER_GAP); "byte" is matched by width and depth instead.
-PARAMETER_MATCHED = ("gpt2", "lslm", "dtp", "every", "random")
+PARAMETER_MATCHED = ("gpt2", "lslm", "dtp", "every", "random", "segmental")
+# The "segmental" row: the LSLM with the opt-in estimator (not the paper's), 8 free bytes flipped per row
+# (unbiased, `LSLMConfig.segmental_flips`), and DTP's count prior at weight 10, which holds the rate
+# where the estimator carries the decoder's whole preference for fewer ends (docs/lslm.md).
+SEGMENTAL = dict(boundary_estimator="segmental", segmental_flips=8, prior_loss="binomial", kl_weight=10.0)
 # The LSLM rows whose segment ends a `boundary_source` other than the router decides.
 SOURCE_ROWS = ("every", "random")
 HEAD_WIDTH = 32
@@ -161,6 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", default=None, help="draw the training curves here (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, 4 steps, 1 seed")
     parser.add_argument(
+        "--models",
+        type=model_list,
+        default=MODELS,
+        help=f"comma-separated rows to train, of {', '.join(MODELS + OPT_IN)} (default: all but "
+        f"{', '.join(OPT_IN)}); the count references always run",
+    )
+    parser.add_argument(
         "--corpus",
         default=None,
         help="train and score on this saved corpus (hf-concept build-corpus): byte windows of its train "
@@ -183,6 +200,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.width % HEAD_WIDTH and not args.quick:
         parser.error(f"--width={args.width} must be a multiple of the head width {HEAD_WIDTH}")
     return args
+
+
+def model_list(text: str) -> tuple[str, ...]:
+    """`--models`: known row names, each once, in the order given."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in MODELS + OPT_IN]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give distinct names of {', '.join(MODELS + OPT_IN)}"
+            + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+        )
+    return names
 
 
 def runner_args(args: argparse.Namespace, seed: int, name: str) -> argparse.Namespace:
@@ -212,6 +241,9 @@ def build_model(args: argparse.Namespace, name: str, seed: int) -> torch.nn.Modu
         config = runner.lslm_config(shared, shared.lslm[0])
         if name in SOURCE_ROWS:
             config.boundary_source = name
+        if name == "segmental":
+            for field, value in SEGMENTAL.items():
+                setattr(config, field, value)
         return LSLMForCausalLM(config)
     if name == "byte":
         return byte_decoder_baseline(
@@ -479,9 +511,11 @@ def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
         dtp=f"LSLM {'+'.join(map(str, args.layers))} layers, binomial prior, joint",
         every="the LSLM, every byte its own segment (boundary_source='every')",
         random="the LSLM, random ends at the prior mean (boundary_source='random')",
+        segmental="the LSLM, " + ", ".join(f"{field}={value!r}" for field, value in SEGMENTAL.items()),
     )
+    reference = counts.get("lslm", max(counts.values()))
     for name, count in counts.items():
-        print(f"{name:<6} {count:>9} parameters ({count / counts['lslm'] - 1:+.1%} vs lslm)  {shapes[name]}")
+        print(f"{name:<9} {count:>9} parameters ({count / reference - 1:+.1%} vs lslm)  {shapes[name]}")
 
 
 def reference_runs(args: argparse.Namespace, seed: int, fit: dict | None, data: dict | None, texts: dict):
@@ -523,13 +557,13 @@ def draw(runs: list[dict], path: str) -> bool:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.sweep_dir and sweep.open_sweep_or_exit(
-        args, lambda: [run_spec(args, name, seed) for seed in args.seeds for name in MODELS]
+        args, lambda: [run_spec(args, name, seed) for seed in args.seeds for name in args.models]
     ):
         return {}
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    counts = {name: build_model(args, name, 0).num_parameters() for name in MODELS}
-    check_parameter_match({name: counts[name] for name in PARAMETER_MATCHED})
+    counts = {name: build_model(args, name, 0).num_parameters() for name in args.models}
+    check_parameter_match({name: count for name, count in counts.items() if name in PARAMETER_MATCHED})
     print_models(counts, args)
     data = corpus_data.load_byte_corpus(args) if args.corpus else None
     if data is not None:
@@ -543,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = [
         done.get(run_spec(args, name, seed).key) or run_model(args, name, seed, fit, texts, data)
         for seed in args.seeds
-        for name in MODELS
+        for name in args.models
     ]
     runs += [run for seed in args.seeds for run in reference_runs(args, seed, fit, data, texts)]
     wall = time.perf_counter() - start

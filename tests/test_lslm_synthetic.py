@@ -33,3 +33,25 @@ def test_a_tiny_run_reports_the_boundaries_and_the_code_length():
     figures = result["lslm"]
     assert 0 <= figures["precision"] <= 1 and 0 <= figures["recall"] <= 1 and figures["bits_per_byte"] > 0
     assert "baseline" not in result
+
+
+def test_gold_ends_segment_the_texts_at_their_word_starts_in_training_and_eval():
+    """`--ends gold`: the training forward and the evaluation both open a segment exactly at each word
+    start (the row's first byte is forced open), so the oracle row measures what words are worth."""
+    script = load_benchmark("lslm_synthetic")
+    args = script.parse_args(["--ends", "gold", *TINY])
+    language = script.SyntheticWords(seed=0)
+    texts = script.sample_rows(language, 3, args.context, script.random.Random(0))
+    torch.manual_seed(0)
+    model = script.lslm_model(args, prior_mean=0.25)
+    gold = script.GoldEnds(model)
+    gold.use(texts, args.context)
+    ids = script.rows_of(texts, args.context)
+    expected = torch.zeros(ids.shape, dtype=torch.bool)
+    for row, text in enumerate(texts):
+        expected[row, [start + 1 for start in text.word_starts if start < args.context]] = True
+    model.train()
+    opens = model(input_ids=ids, labels=ids).boundaries.bool()
+    assert torch.equal(opens[:, 1:], expected[:, 1:])
+    figures = script.evaluate(model, texts, args.context)
+    assert figures["precision"] == 1 and figures["recall"] == 1

@@ -156,3 +156,25 @@ def test_count_references_are_the_plain_add_one_and_interpolated_counts():
     assert scores["unigram"]["t"] == pytest.approx(-(math.log2(p_a) + math.log2(p_b)) / 2)
     p_b_after_a = (1 + rows.BIGRAM_PRIOR * p_b) / (1 + rows.BIGRAM_PRIOR)
     assert scores["bigram"]["t"] == pytest.approx(-(math.log2(p_a) + math.log2(p_b_after_a)) / 2)
+
+
+def test_models_names_the_rows_and_segmental_is_the_lslm_with_its_estimator(tmp_path):
+    """`--models` runs the rows it names (the opt-in "segmental" among them) and refuses an unknown or a
+    repeated name; "segmental" is the LSLM row with `SEGMENTAL`'s fields and nothing else changed."""
+    script = load_benchmark("reproduce_lslm")
+    assert script.parse_args(["--quick"]).models == script.MODELS
+    assert script.parse_args(["--quick", "--models", "byte,segmental"]).models == ("byte", "segmental")
+    for bad in ("byte,bogus", "byte,byte", ","):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--quick", "--models", bad])
+    args = script.parse_args(["--quick", "--models", "lslm,segmental"])
+    lslm, segmental = (script.build_model(args, name, 0) for name in ("lslm", "segmental"))
+    changed = {
+        field
+        for field, value in segmental.config.to_dict().items()
+        if lslm.config.to_dict().get(field) != value
+    }
+    assert changed == set(script.SEGMENTAL)
+    assert all(getattr(segmental.config, field) == value for field, value in script.SEGMENTAL.items())
+    for weight, other in zip(lslm.state_dict().values(), segmental.state_dict().values(), strict=True):
+        assert torch.equal(weight, other)
