@@ -223,6 +223,14 @@ def evaluate(model, texts: list[SyntheticText], context: int) -> dict:
             open_rate=predicted.float().mean().item(),
             gold_rate=gold.float().mean().item(),
         )
+        # The router's q behind those opens: whether it separates word starts at all, or is a constant
+        # whose running sum opens at fixed intervals (the "rate" rule).
+        probs = output.boundary_probs[:, 2:].double()
+        figures.update(
+            q_word_starts=probs[gold].mean().item(),
+            q_elsewhere=probs[~gold].mean().item(),
+            q_std=probs.std().item(),
+        )
     return figures
 
 
