@@ -513,7 +513,7 @@ def print_models(counts: dict[str, int], args: argparse.Namespace) -> None:
         random="the LSLM, random ends at the prior mean (boundary_source='random')",
         segmental="the LSLM, " + ", ".join(f"{field}={value!r}" for field, value in SEGMENTAL.items()),
     )
-    reference = counts.get("lslm", max(counts.values()))
+    reference = lslm_parameters(args)
     for name, count in counts.items():
         print(f"{name:<9} {count:>9} parameters ({count / reference - 1:+.1%} vs lslm)  {shapes[name]}")
 
