@@ -119,6 +119,9 @@ def main(out_dir: str) -> None:
     result = train_one_step(Trainer, out_dir, per_device=2, accumulation=1)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, gloo's threads can abort a rank that succeeded.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -84,7 +84,22 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     finally:
         logger.removeHandler(handler)
+    _end_process_group()
     return 0
+
+
+def _end_process_group() -> None:
+    """Under torchrun, tear down the process group Trainer set up once training has ended on every rank.
+
+    Left to interpreter exit, gloo's worker threads can still hold tensors while Python is finalised, and
+    the process aborts ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded. Only a run that ended cleanly does this: a rank that failed may leave others inside a
+    collective, where tearing down is the launcher's job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _os_error_line(error: OSError, output_dir: Path) -> str:
