@@ -13,14 +13,15 @@ Rows of the table:
   `--lslm-layers` token/segment/decoder layers (default 2,4,2: the stage split of the paper's Appendix B
   base model, 2 + 8 + 2, scaled down) at widths `--lslm-width` (segment encoder) and
   `--lslm-token-width`/`--lslm-decoder-width` (narrower, as the paper's small encoder/decoder), heads of
-  width 32, MLPs 4x wide, Beta prior mean `--lslm-prior`, β = `--lslm-kl-weight`. It is trained on the
-  very batches of the baseline (same sampler and seed), with the same steps, lr schedule, batch and
-  context, on its ELBO (`model(input_ids=batch, labels=batch).loss`: decoder cross-entropy per target +
-  β·KL), optimizer steps interleaved as LSLM §2.6 (`--lslm-update-schedule` k: k steps update the
-  generative model, then one the router; `hf_concept.training.lslm.drop_other_group_gradients`, the rule
-  `InterleavedUpdates` applies under `Trainer`). Its "train loss" is that ELBO, not nats per byte.
-  `--lslm-prior-loss binomial` replaces the KL term by DTP's binomial count prior (`LSLMConfig.prior_loss`)
-  and `--lslm-joint` trains every parameter at every step (no interleaving), as DTP is trained.
+  width 32, MLPs 4x wide; the other fields are `LSLMConfig`'s defaults unless given: Beta prior mean
+  `--lslm-prior`, β = `--lslm-kl-weight`, the prior term `--lslm-prior-loss` (`LSLMConfig.prior_loss`;
+  `binomial` is DTP's count prior), the update schedule `--lslm-update-schedule` (0, the default: joint
+  updates; k: k steps update the generative model, then one the router, as LSLM §2.6,
+  `hf_concept.training.lslm.drop_other_group_gradients`, the rule `InterleavedUpdates` applies under
+  `Trainer`). It is trained on the very batches of the baseline (same sampler and seed), with the same
+  steps, lr schedule, batch and context, on its ELBO (`model(input_ids=batch, labels=batch).loss`).
+  Its "train loss" is that ELBO, not nats per byte. `--lslm-joint` trains every parameter at every step
+  whatever the config's schedule, as DTP is trained.
 - "lslm-POOLING@rate": the same trained LSLM with `boundary_threshold` moved from 0.5 to the (1 - r)
   quantile of the router's q over 16 fresh training crops, r being their mean q. Training samples a
   boundary with probability q_t (σ(p̂ + g′ − g″) >= 1/2, LSLM eq. 2), i.e. at rate r, while inference
@@ -49,8 +50,8 @@ router's mean boundary probability over the scored bytes (the rate at which trai
     python benchmarks/eval_bits_per_byte.py [--steps 300] [--params N [--layers L] | --layers 4 --width 128]
         [--context 256] [--batch-size 16] [--lr 2e-3] [--seed 0] [--model PATH ...] [--no-baseline]
         [--lslm POOLING ...] [--lslm-layers 2,4,2] [--lslm-width 128] [--lslm-token-width 64]
-        [--lslm-decoder-width 64] [--lslm-prior 0.2] [--lslm-kl-weight 1.0] [--lslm-update-schedule 3]
-        [--lslm-prior-loss kl|binomial] [--lslm-joint]
+        [--lslm-decoder-width 64] [--lslm-prior P] [--lslm-kl-weight B] [--lslm-update-schedule K]
+        [--lslm-prior-loss beta_binomial|beta_kl|kl|binomial] [--lslm-joint]
         [--save DIR] [--json PATH] [--threads N] [--quick]
 """
 
@@ -118,14 +119,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lslm-width", type=int, default=128, help="LSLM segment-encoder width")
     parser.add_argument("--lslm-token-width", type=int, default=64, help="LSLM token-encoder width")
     parser.add_argument("--lslm-decoder-width", type=int, default=64, help="LSLM decoder width")
-    parser.add_argument("--lslm-prior", type=float, default=0.2, help="Beta prior mean (boundary rate)")
-    parser.add_argument("--lslm-kl-weight", type=float, default=1.0, help="β, the KL term's weight")
+    # The LSLM's fields default to LSLMConfig's (None: not passed), so that `--lslm mean` trains the
+    # model a user gets.
+    parser.add_argument("--lslm-prior", type=float, default=None, help="Beta prior mean (default: config's)")
+    parser.add_argument("--lslm-kl-weight", type=float, default=None, help="β (default: the config's)")
     parser.add_argument(
-        "--lslm-update-schedule", type=int, default=3, help="k generator steps per router step (0: joint)"
+        "--lslm-update-schedule", type=int, default=None, help="k generator steps per router step (0: joint)"
     )
-    parser.add_argument(
-        "--lslm-prior-loss", choices=PRIOR_LOSSES, default="kl", help="KL to Bernoulli or DTP's binomial"
-    )
+    parser.add_argument("--lslm-prior-loss", choices=PRIOR_LOSSES, default=None, help="(default: config's)")
     parser.add_argument("--lslm-joint", action="store_true", help="update every parameter at every step")
     parser.add_argument("--eval-bytes", type=int, default=None, help="score only this many held-out bytes")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -163,11 +164,19 @@ def lslm_config(args: argparse.Namespace, pooling: str) -> LSLMConfig:
         HEAD_WIDTH,
         max_position_embeddings=args.context,
         pooling=pooling,
-        prior_mean=args.lslm_prior,
-        kl_weight=args.lslm_kl_weight,
-        update_schedule=args.lslm_update_schedule,
-        prior_loss=args.lslm_prior_loss,
+        **lslm_fields(args),
     )
+
+
+def lslm_fields(args: argparse.Namespace) -> dict:
+    """The `--lslm-*` fields given on the command line (the others keep `LSLMConfig`'s defaults)."""
+    given = {
+        "prior_mean": args.lslm_prior,
+        "kl_weight": args.lslm_kl_weight,
+        "update_schedule": args.lslm_update_schedule,
+        "prior_loss": args.lslm_prior_loss,
+    }
+    return {field: value for field, value in given.items() if value is not None}
 
 
 def train_token_rows() -> list[torch.Tensor]:

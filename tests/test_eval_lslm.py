@@ -166,3 +166,20 @@ def test_bad_lslm_flags_exit_with_a_message(capsys):
         assert raised.value.code == 2
         assert message in capsys.readouterr().err
     assert script.parse_args(["--no-baseline", "--lslm", "hops:3"]).lslm == ["hops:3"]
+
+
+def test_lslm_flags_default_to_the_config_a_user_gets():
+    """`--lslm mean` alone trains `LSLMConfig`'s defaults (joint updates, its prior); a flag overrides one."""
+    from hf_concept.modeling.configuration_lslm import LSLMConfig
+
+    spec = importlib.util.spec_from_file_location("eval_bits_per_byte", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    defaults = LSLMConfig()
+    plain = script.lslm_config(script.parse_args(["--lslm", "mean"]), "mean")
+    for field in ("prior_mean", "kl_weight", "update_schedule", "prior_loss"):
+        assert getattr(plain, field) == getattr(defaults, field), field
+    given = ["--lslm", "mean", "--lslm-update-schedule", "3", "--lslm-prior", "0.2"]
+    given += ["--lslm-prior-loss", "kl"]
+    config = script.lslm_config(script.parse_args(given), "mean")
+    assert (config.update_schedule, config.prior_mean, config.prior_loss) == (3, 0.2, "kl")
