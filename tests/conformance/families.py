@@ -215,8 +215,11 @@ def _conceptmoe_concept_topk_config(**overrides: Any):
 
 def _conceptmoe_rank_window_config(**overrides: Any):
     # Decisions on local ranks (`concept_ranking`): a window shorter than the test sequences, so that the
-    # cache carries a full window; "mean" pooling keeps an open chunk in the state as well.
-    values = dict(pooling="mean", boundary_rank_window=4, boundary_noise="gaussian")
+    # cache carries a full window; "mean" pooling keeps an open chunk in the state as well. The dechunk
+    # EMA is the conversion's (weight 1 in value, the probability's gradient), which it writes with ranks.
+    values = dict(
+        pooling="mean", boundary_rank_window=4, boundary_noise="gaussian", dechunk_ema="straight_through"
+    )
     values.update(overrides)
     return _conceptmoe_config(**values)
 
