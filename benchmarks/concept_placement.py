@@ -4,7 +4,7 @@ A learned router is worth its cost only if *where* it opens concepts matters. Th
 ConceptMoE conversion (e.g. `recover_conceptmoe.py --save`) and scores one split of the built corpus with
 its boundary decisions replaced, everything else (weights, threshold, ratio) as trained:
 
-- `own`: the checkpoint's own decisions (its router, or its fixed chunks);
+- `own`: the checkpoint's own decisions (its router with its `boundary_fixed_bonus`, or its fixed chunks);
 - `fixed`: every R-th token of a document opens a concept (R = the checkpoint's `compression_ratio`);
 - `random`: local ranks of uniform noise;
 - `surprisal`, `entropy`, `depth`: local ranks of a score from the source model the checkpoint was
@@ -129,8 +129,10 @@ def decision_settings(config, mode: str) -> dict:
         if not float(ratio).is_integer():
             raise ValueError(f"mode 'fixed' needs an integer compression_ratio, not {ratio}")
         return dict(chunking="fixed")
-    if mode.startswith("own") or (config.boundary_rank_window and config.chunking == "dynamic"):
+    if mode.startswith("own"):
         return {}
+    if config.boundary_rank_window and config.chunking == "dynamic":
+        return dict(boundary_fixed_bonus=0.0)  # the given scores alone decide
     # A fixed-chunk checkpoint, or one that thresholds probabilities: ranks at 1 - 1/R, concepts whole.
     return dict(
         chunking="dynamic",
@@ -138,6 +140,7 @@ def decision_settings(config, mode: str) -> dict:
         boundary_threshold=1 - 1 / ratio,
         boundary_noise="none",
         dechunk_ema="straight_through",
+        boundary_fixed_bonus=0.0,
     )
 
 
@@ -153,11 +156,11 @@ def placement(model: nn.Module, mode: str, cap: int, source: nn.Module | None) -
             ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
             given["scores"] = source_scores(source, ids, mask, mode, inner.config.encoder_layers)
 
-    def decision_scores(self, probs, starts, mask, state, documents):
+    def decision_scores(self, probs, starts, mask, *rest):
         if mode == "random":
             given["scores"] = torch.rand(probs.shape, generator=generator).to(probs)
         scores = given["scores"].to(probs) if mode in ("random", *SOURCE_SCORES) else probs
-        return type(self).decision_scores(self, scores, starts, mask, state, documents)
+        return type(self).decision_scores(self, scores, starts, mask, *rest)
 
     def decide_boundaries(self, scores, starts, mask, training):
         opens = type(self).decide_boundaries(self, scores, starts, mask, training)

@@ -2,7 +2,8 @@
 
 The source (a Llama-family safetensors folder, e.g. SmolLM2-135M-Instruct) is converted in this run with
 `convert_to_conceptmoe` (dynamic chunking at `--ratio`, decisions on local ranks unless `--rank-window 0`,
-random router, zero joint decoding), then trained for `--minutes` of training wall time (evaluation
+random router, zero joint decoding; `--fixed-bonus B` holds the router near fixed chunks,
+`ConceptMoEConfig.boundary_fixed_bonus`), then trained for `--minutes` of training wall time (evaluation
 excluded; both clocks are reported) or `--max-steps`.
 
 Objectives: the LM loss (and the ratio loss at `--aux-loss-weight`); `--distill` adds T² · KL(source ‖
@@ -128,6 +129,13 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
         "conversion's)",
     )
     parser.add_argument(
+        "--fixed-bonus",
+        type=float,
+        default=None,
+        help="boundary_fixed_bonus: added to the router's probability where fixed chunks open before the "
+        "ranks (default: the conversion's, 0): a learned router held near fixed chunks",
+    )
+    parser.add_argument(
         "--freeze-router",
         action="store_true",
         help="train everything else but keep the router's weights as converted (--hold-ratio still moves "
@@ -221,6 +229,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--ratio must be >= 1, --minutes and --eval-every-minutes > 0")
     if args.chunking == "fixed" and (args.hold_ratio or not float(args.ratio).is_integer()):
         parser.error("--chunking fixed takes an integer --ratio and holds it without --hold-ratio")
+    if args.fixed_bonus is not None and (args.fixed_bonus < 0 or args.chunking == "fixed"):
+        parser.error("--fixed-bonus must be >= 0 and goes with dynamic chunking")
     if args.align_hidden and not args.distill:
         parser.error("--align-hidden goes with --distill")
     if not args.distill_temperature > 0 or not args.align_hidden >= 0:
@@ -473,6 +483,9 @@ def converted_model(source: Path, folder: Path, args: argparse.Namespace) -> Con
         model.config.aux_loss_weight = args.aux_loss_weight
     if args.dechunk_ema is not None:
         model.config.dechunk_ema = args.dechunk_ema
+    if args.fixed_bonus is not None:
+        model.config.boundary_fixed_bonus = args.fixed_bonus
+    model.config.check_fields()
     return model
 
 

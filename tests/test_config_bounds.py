@@ -46,6 +46,7 @@ CONCEPT_ACCEPTED = {
     ("boundary_sigma", 1e30),
     ("aux_loss_weight", 0),
     ("aux_loss_weight", 1e30),
+    ("boundary_fixed_bonus", 0),  # no bonus: the router alone
 }
 # Values that are valid for their field (sentinels such as 0 = dense or no dropout, and weights or scales
 # with no upper bound); everything else in the walk must be refused.

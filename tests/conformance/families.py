@@ -216,9 +216,14 @@ def _conceptmoe_concept_topk_config(**overrides: Any):
 def _conceptmoe_rank_window_config(**overrides: Any):
     # Decisions on local ranks (`concept_ranking`): a window shorter than the test sequences, so that the
     # cache carries a full window; "mean" pooling keeps an open chunk in the state as well. The dechunk
-    # EMA is the conversion's (weight 1 in value, the probability's gradient), which it writes with ranks.
+    # EMA is the conversion's (weight 1 in value, the probability's gradient), which it writes with ranks;
+    # the fixed-chunk bonus reads absolute positions, which a cached call must continue.
     values = dict(
-        pooling="mean", boundary_rank_window=4, boundary_noise="gaussian", dechunk_ema="straight_through"
+        pooling="mean",
+        boundary_rank_window=4,
+        boundary_noise="gaussian",
+        dechunk_ema="straight_through",
+        boundary_fixed_bonus=0.05,
     )
     values.update(overrides)
     return _conceptmoe_config(**values)
@@ -479,6 +484,7 @@ FAMILIES: list[FamilySpec] = [
             ("boundary_rank_window", 4.5),
             ("boundary_noise", "bernoulli"),
             ("dechunk_ema", "none"),
+            ("boundary_fixed_bonus", -1.0),
         ),
         force_boundaries=_fixed_chunks,
         logged_metrics=CONCEPT_METRICS,

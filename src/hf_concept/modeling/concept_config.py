@@ -31,6 +31,14 @@ class ConceptConfig(PlainDecoderConfig):
     text of W tokens or more, whatever its language, where one threshold on the probabilities spends the
     ratio unevenly over a mix. Needs `chunking="dynamic"`, a learned router (not DLCM's "rule") and
     `boundary_noise` "none" or "gaussian" (a Bernoulli draw of a rank would open one token in two).
+
+    `boundary_fixed_bonus` (default 0): b > 0 adds b to the router's probability at the tokens where fixed
+    chunks open (every R-th token of a document, R = `compression_ratio`, an integer) before the
+    probabilities are ranked, so that a learned router starts from fixed chunks' regular layout and moves
+    a concept off it only where its probabilities differ by more than b; the straight-through factor and
+    the ratio loss still read the probability itself. Why: on a compressed conversion, a freely learned
+    router fell behind fixed chunks while one held near them did not (REPRODUCTION.md, SmolLM2 section).
+    Needs `boundary_rank_window`.
     """
 
     auto_model_entry: ClassVar[str]
@@ -54,6 +62,7 @@ class ConceptConfig(PlainDecoderConfig):
     boundary_sigma: float = 0.1
     boundary_threshold: float = 0.5
     boundary_rank_window: int | None = None
+    boundary_fixed_bonus: float = 0.0
     concept_hidden_size: int | None = None
     concept_num_attention_heads: int | None = None
     concept_num_key_value_heads: int | None = None
@@ -98,6 +107,25 @@ class ConceptConfig(PlainDecoderConfig):
         _check_number("boundary_sigma", self.boundary_sigma)
         _check_number("aux_loss_weight", self.aux_loss_weight)
         self._check_rank_window()
+        self._check_fixed_bonus()
+
+    def _check_fixed_bonus(self) -> None:
+        bonus = self.boundary_fixed_bonus
+        _check_number("boundary_fixed_bonus", bonus)
+        if not bonus:
+            return
+        # The bonus marks fixed chunks' openings among ranked probabilities: both must exist.
+        if not self.boundary_rank_window:
+            raise ValueError(
+                f"boundary_fixed_bonus={bonus!r} shifts probabilities before they are ranked: it needs "
+                "boundary_rank_window"
+            )
+        ratio = self.compression_ratio
+        if not (_is_number(ratio) and float(ratio).is_integer()):
+            raise ValueError(
+                f"boundary_fixed_bonus={bonus!r} marks every R-th token: it needs an integer "
+                f"compression_ratio, not {ratio!r}"
+            )
 
     def _check_rank_window(self) -> None:
         window = self.boundary_rank_window

@@ -203,7 +203,7 @@ class ConceptStackMixin:
             return RouterPass(probs, probs, opens, None, None)
         past_keys = state.previous_key if config.router in ("cosine", "rule") else None
         probs, keys = self.chunker(token_states, starts, mask, past_keys=past_keys)
-        scores, recent = self.decision_scores(probs, starts, mask, state, documents)
+        scores, recent = self.decision_scores(probs, starts, mask, state, documents, position_ids)
 
         def draw() -> torch.Tensor:
             if config.router == "rule":
@@ -223,11 +223,19 @@ class ConceptStackMixin:
         mask: torch.Tensor,
         state: ConceptState,
         documents: torch.Tensor,
+        position_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(B, L) what the learned router's decisions threshold — `probs`, or under `boundary_rank_window`
-        their local ranks (`concept_ranking`) — and the rows' recent window after the call (or None)."""
-        if not self.config.boundary_rank_window:
+        their local ranks (`concept_ranking`; of `probs` plus `boundary_fixed_bonus` where fixed chunks
+        open, at the (B, L) `position_ids`) — and the rows' recent window after the call (or None)."""
+        config = self.config
+        if not config.boundary_rank_window:
             return probs, None
+        if config.boundary_fixed_bonus:
+            # Absolute positions: a cached call marks the same tokens as a full forward does, and the
+            # recent window keeps the shifted values its ranks compare with.
+            fixed = fixed_boundaries(position_ids, starts, mask, int(config.compression_ratio))
+            probs = probs + config.boundary_fixed_bonus * fixed.to(probs.dtype)
         arguments = (probs, starts, mask, documents, state.recent_probs, state.recent_documents)
         return local_rank_scores(*arguments), recent_after(*arguments)
 

@@ -72,25 +72,24 @@ def router_inputs(stack: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Te
     """(scores, starts, mask), each (B, L): what the router's decisions threshold in a forward of `stack`
     with these arguments — its probabilities, or their local ranks under `boundary_rank_window` — run
     without gradients only as far as the router (the early layers)."""
-    from ..modeling.concept_stack import call_documents
-
     found = []
+    decision_scores = stack.decision_scores
 
-    def stop(chunker: nn.Module, inputs: tuple, output: tuple) -> None:
-        token_states, starts, mask = inputs[:3]
-        # A measuring forward has no cache: its rows start from the empty state.
-        state = stack.state_of(None, token_states)
-        scores, _ = stack.decision_scores(output[0], starts, mask, state, call_documents(state, starts, mask))
-        found.append((scores, starts, mask))
+    def stop(probs: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor, *rest: Any) -> None:
+        # The forward's own call (a measuring forward has no cache: its rows start from the empty state).
+        found.append((decision_scores(probs, starts, mask, *rest)[0], starts, mask))
         raise _RouterReachedError
 
-    hook = stack.chunker.register_forward_hook(stop)
+    own = stack.__dict__.get("decision_scores")  # an override already on the instance, put back after
+    stack.decision_scores = stop
     try:
         stack(*args, **kwargs)
     except _RouterReachedError:
         pass
     finally:
-        hook.remove()
+        del stack.decision_scores
+        if own is not None:
+            stack.decision_scores = own
     if not found:
         raise RuntimeError("the ConceptMoE stack returned without running its router (fixed chunking?)")
     return found[0]
