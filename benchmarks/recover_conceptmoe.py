@@ -477,15 +477,13 @@ def converted_model(source: Path, folder: Path, args: argparse.Namespace) -> Con
         seed=args.seed,
         dtype="float32",
         **({} if args.rank_window is None else {"rank_window": args.rank_window}),
+        **({} if args.fixed_bonus is None else {"fixed_bonus": args.fixed_bonus}),
     )
     model = ConceptMoEForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if args.aux_loss_weight is not None:
         model.config.aux_loss_weight = args.aux_loss_weight
     if args.dechunk_ema is not None:
         model.config.dechunk_ema = args.dechunk_ema
-    if args.fixed_bonus is not None:
-        model.config.boundary_fixed_bonus = args.fixed_bonus
-    model.config.check_fields()
     return model
 
 

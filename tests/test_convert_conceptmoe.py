@@ -659,3 +659,19 @@ def test_dynamic_conversion_decides_on_local_ranks(rank_window, ratio):
         assert config.boundary_threshold == pytest.approx(1 - 1 / ratio)
     else:
         assert config.boundary_rank_window is None and config.boundary_threshold == 0.5
+
+
+def test_a_fixed_bonus_converts_with_ranks_and_is_refused_without_them(tmp_path, capsys):
+    """`--fixed-bonus` writes `boundary_fixed_bonus` beside the rank window; with `--rank-window 0`
+    (nothing to rank) the conversion is one error line naming the field, and nothing is written."""
+    from hf_concept.cli import main
+
+    source = tiny_llama_folder(tmp_path / "src", num_hidden_layers=5)
+    flags = ["--encoder-layers", "1", "--decoder-layers", "1", "--fixed-bonus", "0.05"]
+    assert main(["convert", "conceptmoe", str(source), str(tmp_path / "dst"), *flags]) == 0
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert (config["boundary_fixed_bonus"], config["boundary_rank_window"]) == (0.05, 64)
+    code = main(["convert", "conceptmoe", str(source), str(tmp_path / "out"), *flags, "--rank-window", "0"])
+    assert code == 2
+    assert "boundary_fixed_bonus=0.05" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

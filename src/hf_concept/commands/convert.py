@@ -100,6 +100,14 @@ def _add_conceptmoe(targets: argparse._SubParsersAction) -> None:
         "document, so every language gets about one concept per R tokens (default: the converter's, 64; "
         "0: one threshold on the probabilities for every text).",
     )
+    parser.add_argument(
+        "--fixed-bonus",
+        type=float,
+        default=0.0,
+        metavar="B",
+        help="Add B to the router's probability where fixed chunks open (every R-th token) before the "
+        "ranks: a learned router held near fixed chunks (boundary_fixed_bonus; integer --ratio; default 0).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the chunk module's random init.")
     _add_output_flags(parser)
     parser.set_defaults(convert=_convert_conceptmoe)
@@ -220,6 +228,7 @@ def _convert_conceptmoe(args: argparse.Namespace) -> Path:
         router_init=args.router_init,
         pooling=args.pooling,
         **({} if args.rank_window is None else {"rank_window": args.rank_window}),
+        fixed_bonus=args.fixed_bonus,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,

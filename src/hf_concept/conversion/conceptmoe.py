@@ -87,7 +87,8 @@ def _check_layer_split(encoder_layers: Any, decoder_layers: Any, total: int) -> 
 def conceptmoe_config_from_source(source_config, **options: Any):
     """A ConceptMoEConfig with the source's backbone fields and the conversion `options`
     (encoder_layers, decoder_layers, compression_ratio, chunking, joint_decoding_layers, concept_loop,
-    experts_per_token, router, router_init, pooling, rank_window)."""
+    experts_per_token, router, router_init, pooling, rank_window; other config fields, such as
+    boundary_fixed_bonus, pass through)."""
     from hf_concept.modeling.configuration_conceptmoe import ConceptMoEConfig
 
     plain = plain_config_from_source(source_config)
@@ -272,6 +273,7 @@ def convert_to_conceptmoe(
     router_init: str = "random",
     pooling: str = "first",
     rank_window: int | None = DEFAULT_RANK_WINDOW,
+    fixed_bonus: float = 0.0,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
@@ -283,7 +285,8 @@ def convert_to_conceptmoe(
 
     Options are ConceptMoEConfig fields (`concept_loop` = (start, end, extra passes)); `experts_per_token`
     changes a MoE source's top-k; `rank_window` is `boundary_rank_window` for dynamic chunking (None or
-    0: decisions on the probabilities, one threshold for every text; `rank_window_fields`); `dtype`
+    0: decisions on the probabilities, one threshold for every text; `rank_window_fields`); `fixed_bonus`
+    is `boundary_fixed_bonus` (a learned router held near fixed chunks; needs the rank window); `dtype`
     defaults to the source's; `base_model` names the source in the model card (default: the `src` path).
     Raises ValueError, with `dst` left untouched, for an unsupported model_type, a bad option,
     missing/corrupt shards, NaN/inf weights, shape mismatches, `.bin` weights without
@@ -307,6 +310,7 @@ def convert_to_conceptmoe(
         router_init=router_init,
         pooling=pooling,
         rank_window=rank_window,
+        boundary_fixed_bonus=fixed_bonus,
     )
     dtype = resolve_dtype(dtype, source_config)
     check_safetensors_files(src)
