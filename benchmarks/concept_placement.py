@@ -133,14 +133,14 @@ def decision_settings(config, mode: str) -> dict:
         return {}
     if config.boundary_rank_window and config.chunking == "dynamic":
         return dict(boundary_fixed_bonus=0.0)  # the given scores alone decide
-    # A fixed-chunk checkpoint, or one that thresholds probabilities: ranks at 1 - 1/R, concepts whole.
+    # A fixed-chunk checkpoint, or one that thresholds probabilities (neither can carry a bonus, which
+    # needs a rank window): ranks at 1 - 1/R, concepts whole.
     return dict(
         chunking="dynamic",
         boundary_rank_window=DEFAULT_WINDOW,
         boundary_threshold=1 - 1 / ratio,
         boundary_noise="none",
         dechunk_ema="straight_through",
-        boundary_fixed_bonus=0.0,
     )
 
 

@@ -171,10 +171,9 @@ def test_bad_lslm_flags_exit_with_a_message(capsys):
 def test_lslm_flags_default_to_the_config_a_user_gets():
     """`--lslm mean` alone trains `LSLMConfig`'s defaults (joint updates, its prior); a flag overrides one."""
     from hf_concept.modeling.configuration_lslm import LSLMConfig
+    from tests.benchmark_scripts import load_benchmark
 
-    spec = importlib.util.spec_from_file_location("eval_bits_per_byte", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("eval_bits_per_byte")
     defaults = LSLMConfig()
     plain = script.lslm_config(script.parse_args(["--lslm", "mean"]), "mean")
     for field in ("prior_mean", "kl_weight", "update_schedule", "prior_loss"):
